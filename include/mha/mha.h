@@ -1,0 +1,9 @@
+// The mha library: multi-head attention modules with PyTorch's semantics.
+// Includes every public header that needs nothing beyond LibTorch.
+#pragma once
+
+#include "mha/attention.h"
+#include "mha/masks.h"
+#include "mha/multi_head_attention.h"
+#include "mha/parity.h"
+#include "mha/weights.h"

@@ -1,0 +1,156 @@
+// Multi-head attention with PyTorch's parameters, options and semantics.
+//
+// Semantics: torch.nn.MultiheadAttention
+// (https://pytorch.org/docs/stable/generated/torch.nn.MultiheadAttention.html)
+// and "Attention Is All You Need" (Vaswani et al., 2017), section 3.2.2.
+// Differences from torch::nn::MultiheadAttention, all deliberate:
+//   * batch_first defaults to true (our choice);
+//   * a bool attn_mask blocks `true` positions (LibTorch adds it as 0/1);
+//   * 3-D attn_mask, kdim != vdim and -inf in a float key_padding_mask work;
+//   * a fully masked query row gives out_proj.bias, weights 0, no NaN;
+//   * key and value may be left out for self-attention; is_causal exists.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <tuple>
+
+namespace mha {
+
+/// Options for MultiHeadAttention; names and defaults as PyTorch's, except
+/// batch_first (true here).
+struct MultiHeadAttentionOptions {
+  /// embed_dim: E, the model width (query features and output features).
+  /// num_heads: H; E must be divisible by H (head_dim = E / H).
+  MultiHeadAttentionOptions(int64_t embed_dim, int64_t num_heads);
+
+  /// Model width E (PyTorch: embed_dim).
+  TORCH_ARG(int64_t, embed_dim);
+  /// Number of heads H (PyTorch: num_heads).
+  TORCH_ARG(int64_t, num_heads);
+  /// Dropout probability on the attention weights in training mode, in
+  /// [0, 1). Default 0.0 (PyTorch: dropout).
+  TORCH_ARG(double, dropout) = 0.0;
+  /// Biases in the input and output projections. Default true.
+  TORCH_ARG(bool, bias) = true;
+  /// Learned bias_k / bias_v rows appended to key and value (one extra key
+  /// position, never masked). Default false.
+  TORCH_ARG(bool, add_bias_kv) = false;
+  /// A zero row appended to key and value after the projection (one extra
+  /// key position, never masked). Default false.
+  TORCH_ARG(bool, add_zero_attn) = false;
+  /// Features of key; default (nullopt) embed_dim.
+  TORCH_ARG(c10::optional<int64_t>, kdim) = c10::nullopt;
+  /// Features of value; default (nullopt) embed_dim.
+  TORCH_ARG(c10::optional<int64_t>, vdim) = c10::nullopt;
+  /// true: inputs (N, L, E); false: (L, N, E) as torch::nn. Default true
+  /// (our choice; PyTorch's default is false).
+  TORCH_ARG(bool, batch_first) = true;
+};
+
+/// Multi-head attention: out_proj(concat_h softmax(Q_h K_hᵀ / sqrt(D) + mask)
+/// V_h), Q = query·W_qᵀ + b_q, K = key·W_kᵀ + b_k, V = value·W_vᵀ + b_v.
+///
+/// Parameters (names as PyTorch's, so state dicts move both ways):
+///   in_proj_weight (3E, E)         when kdim == vdim == E, else
+///   q_proj_weight (E, E), k_proj_weight (E, kdim), v_proj_weight (E, vdim);
+///   in_proj_bias (3E)              when bias;
+///   bias_k, bias_v (1, 1, E)       when add_bias_kv;
+///   out_proj.weight (E, E), out_proj.bias (E) (bias only when bias).
+/// Initialised as PyTorch: xavier_uniform projections, zero biases,
+/// xavier_normal bias_k / bias_v, out_proj.weight as nn.Linear.
+///
+/// Example:
+///   mha::MultiHeadAttention attn(mha::MultiHeadAttentionOptions(64, 8));
+///   auto x = torch::randn({2, 10, 64});                  // (N, L, E)
+///   auto [out, weights] = attn(x);                       // self-attention
+///   // out: (2, 10, 64), weights: (2, 10, 10) averaged over heads
+class MultiHeadAttentionImpl
+    : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
+ public:
+  MultiHeadAttentionImpl(int64_t embed_dim, int64_t num_heads)
+      : MultiHeadAttentionImpl(
+            MultiHeadAttentionOptions(embed_dim, num_heads)) {}
+  explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options_);
+
+  /// Attends from query to key/value.
+  ///
+  /// Shapes (batch_first=true; with false swap N and the length, as
+  /// torch::nn): query (N, L, E), key (N, S, kdim), value (N, S, vdim);
+  /// unbatched: query (L, E), key (S, kdim), value (S, vdim).
+  /// key and value are both given or both undefined (self-attention: key =
+  /// value = query). All floating, with the parameters' dtype and device.
+  ///
+  /// Masks (bool: true = blocked; floating, query's dtype: added to scores):
+  ///   key_padding_mask: (N, S), unbatched (S). Blocks key positions.
+  ///   attn_mask: (L, S) or (N*H, L, S); unbatched (L, S) or (H, L, S).
+  ///   is_causal: also block key j > query i (top-left, union with masks).
+  /// Both masks may be given, bool and float mixed; the extra key position of
+  /// add_bias_kv / add_zero_attn is never masked.
+  ///
+  /// Returns (output, weights):
+  ///   output (N, L, E) ((L, N, E) if !batch_first; (L, E) unbatched);
+  ///   weights, only if need_weights: (N, L, S') averaged over heads, or
+  ///   (N, H, L, S') if !average_attn_weights, S' = S + add_bias_kv +
+  ///   add_zero_attn (unbatched: no N); else an undefined tensor.
+  /// A query row whose every key is blocked gets weights 0 and output
+  /// out_proj.bias (the attention result is 0), never NaN.
+  ///
+  /// Throws c10::Error naming the argument, its shape or dtype and what was
+  /// expected: wrong dims or feature sizes, batch or length mismatches, key
+  /// without value, masks of the wrong shape, integer masks, another device.
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      const torch::Tensor& query, const torch::Tensor& key = {},
+      const torch::Tensor& value = {},
+      const torch::Tensor& key_padding_mask = {}, bool need_weights = true,
+      const torch::Tensor& attn_mask = {}, bool average_attn_weights = true,
+      bool is_causal = false);
+
+ protected:
+  // Defaults of forward's arguments 1..7: key, value, key_padding_mask,
+  // need_weights, attn_mask, average_attn_weights, is_causal.
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
+                           {2, torch::nn::AnyValue(torch::Tensor())},
+                           {3, torch::nn::AnyValue(torch::Tensor())},
+                           {4, torch::nn::AnyValue(true)},
+                           {5, torch::nn::AnyValue(torch::Tensor())},
+                           {6, torch::nn::AnyValue(true)},
+                           {7, torch::nn::AnyValue(false)})
+
+ public:
+  /// Checks the options and (re)creates every parameter.
+  void reset() override;
+
+  /// Initialises the parameters as PyTorch's _reset_parameters.
+  void reset_parameters();
+
+  /// Prints e.g. `mha::MultiHeadAttention(embed_dim=8, num_heads=2)`, adding
+  /// only the options that differ from their defaults.
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Features of key (kdim, or embed_dim when unset).
+  int64_t kdim() const;
+  /// Features of value (vdim, or embed_dim when unset).
+  int64_t vdim() const;
+  /// True when Q, K and V share the packed in_proj_weight (kdim == vdim == E).
+  bool packed_in_proj() const;
+
+  /// The options this module was constructed with.
+  MultiHeadAttentionOptions options;
+  /// E / H.
+  int64_t head_dim = 0;
+
+  torch::Tensor in_proj_weight;          ///< (3E, E) when packed_in_proj()
+  torch::Tensor q_proj_weight;           ///< (E, E) when !packed_in_proj()
+  torch::Tensor k_proj_weight;           ///< (E, kdim) when !packed_in_proj()
+  torch::Tensor v_proj_weight;           ///< (E, vdim) when !packed_in_proj()
+  torch::Tensor in_proj_bias;            ///< (3E) when bias
+  torch::Tensor bias_k;                  ///< (1, 1, E) when add_bias_kv
+  torch::Tensor bias_v;                  ///< (1, 1, E) when add_bias_kv
+  torch::nn::Linear out_proj = nullptr;  ///< E -> E
+};
+
+/// Holder of MultiHeadAttentionImpl (module semantics as torch::nn).
+TORCH_MODULE(MultiHeadAttention);
+
+}  // namespace mha

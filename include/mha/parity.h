@@ -1,0 +1,131 @@
+// Parity checking: proves that mha::MultiHeadAttention computes what
+// torch::nn::MultiheadAttention computes (outputs, weights and gradients),
+// and what an independent float64 implementation of the formula computes.
+//
+// Where LibTorch's module is known to be wrong or to refuse an input (a bool
+// attn_mask is added as 0/1; a 3-D attn_mask fails; kdim != vdim fails an
+// assert; a float key_padding_mask is not applied; fully masked
+// rows give NaN), a case is checked against the float64 reference alone and
+// reported as a known reference difference (Status::kRefDiff).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "mha/multi_head_attention.h"
+
+namespace mha::parity {
+
+/// Kinds of mask a case can use.
+enum class MaskKind { kNone, kBool, kFloat };
+
+/// One configuration to check. Lengths and sizes are in elements.
+struct Case {
+  std::string name;
+  int64_t batch = 2;            ///< N
+  int64_t tgt_len = 5;          ///< L
+  int64_t src_len = 7;          ///< S (ignored for self-attention: S = L)
+  int64_t embed_dim = 8;        ///< E
+  int64_t num_heads = 2;        ///< H
+  c10::optional<int64_t> kdim;  ///< default embed_dim
+  c10::optional<int64_t> vdim;  ///< default embed_dim
+  bool self_attention = false;  ///< key and value left undefined
+  bool bias = true;
+  bool add_bias_kv = false;
+  bool add_zero_attn = false;
+  bool batch_first = true;
+  bool unbatched = false;  ///< query (L, E); batch must be 1
+  MaskKind key_padding_mask = MaskKind::kNone;
+  MaskKind attn_mask = MaskKind::kNone;
+  bool attn_mask_3d = false;  ///< (N*H, L, S) instead of (L, S)
+  bool is_causal = false;
+  /// Block every key of the first query row (through the masks in use, or a
+  /// padding mask when none is): exercises the fully-masked-row rule.
+  bool fully_masked_row = false;
+  bool need_weights = true;
+  bool average_attn_weights = true;
+  torch::ScalarType dtype = torch::kFloat32;
+  /// Called on the mha module after both references took its weights and
+  /// before it runs: lets a test plant a fault that the check must catch.
+  std::function<void(MultiHeadAttentionImpl&)> tamper;
+};
+
+/// Elementwise tolerance: |mha - reference| <= atol + rtol * |reference|.
+struct Tolerance {
+  double atol = 0.0;
+  double rtol = 0.0;
+};
+
+/// The tolerance used for results computed in `dtype`.
+Tolerance tolerance_for(torch::ScalarType dtype);
+
+/// Outcome of a case.
+enum class Status { kPass, kFail, kRefDiff };
+
+/// "PASS", "FAIL" or "REF-DIFF".
+const char* to_string(Status status);
+
+/// Errors of one compared tensor (output, weights, a gradient).
+struct Comparison {
+  std::string what;  ///< e.g. "output", "grad query", "grad out_proj.weight"
+  double max_abs = 0.0;  ///< max |mha - reference|
+  double max_rel = 0.0;  ///< max |mha - reference| / (|reference| + atol)
+  bool within = true;    ///< every element within the tolerance
+};
+
+/// Errors against one reference, worst over every compared tensor.
+struct ReferenceResult {
+  bool used = false;  ///< this reference was compared
+  double max_abs = 0.0;
+  double max_rel = 0.0;
+  bool within = true;
+  std::vector<Comparison> parts;
+};
+
+/// The result of one case.
+struct CaseResult {
+  std::string name;
+  Status status = Status::kFail;
+  Tolerance tolerance;
+  ReferenceResult torch_nn;  ///< mha vs torch::nn::MultiheadAttention
+  ReferenceResult float64;   ///< mha vs the float64 reference
+  std::string compared;      ///< e.g. "out+w+grads"
+  std::string note;          ///< why REF-DIFF / FAIL, or how inputs were passed
+};
+
+/// The default matrix: at least 30 named cases in float32 and float64.
+std::vector<Case> default_cases();
+
+/// Runs one case on `device` with random weights and inputs from `seed`.
+/// Never throws for a failing comparison; throws c10::Error for an invalid
+/// case (e.g. unbatched with batch != 1).
+CaseResult run_case(const Case& spec, const torch::Device& device,
+                    uint64_t seed);
+
+/// Canonical inputs of a case (batch-first, batched).
+struct Inputs {
+  torch::Tensor query;             ///< (N, L, E)
+  torch::Tensor key;               ///< (N, S, kdim)
+  torch::Tensor value;             ///< (N, S, vdim)
+  torch::Tensor key_padding_mask;  ///< (N, S) or undefined
+  torch::Tensor attn_mask;         ///< (L, S) or (N*H, L, S) or undefined
+  bool is_causal = false;
+};
+
+/// Independent float64 multi-head attention written plainly from the
+/// formula (per batch element and head, basic ops), on the parameters of
+/// `module` and canonical batch-first inputs. Masks follow mha's rules
+/// (bool true = blocked, float added, fully masked rows give weights 0).
+/// `params` are float64 copies of the module's parameters by name (the
+/// caller may ask for their gradients).
+/// Returns (output (N, L, E), weights per head (N, H, L, S')).
+std::tuple<torch::Tensor, torch::Tensor> reference_attention(
+    const MultiHeadAttentionOptions& options,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& inputs);
+
+}  // namespace mha::parity

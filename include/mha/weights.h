@@ -1,0 +1,27 @@
+// Moving weights between mha modules and LibTorch's torch::nn modules.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "mha/multi_head_attention.h"
+
+namespace mha {
+
+/// Copies every parameter of `from` into `to` (values only; `to` keeps its
+/// dtype and device), under torch::NoGradGuard.
+///
+/// Both modules must have the same embed_dim, num_heads, kdim, vdim, bias,
+/// add_bias_kv and add_zero_attn; dropout and batch_first may differ.
+/// Throws c10::Error naming the first option or parameter shape that differs.
+///
+/// Example:
+///   torch::nn::MultiheadAttention ref(torch::nn::MultiheadAttentionOptions(8,
+///   2)); mha::MultiHeadAttention attn(mha::MultiHeadAttentionOptions(8, 2));
+///   mha::copy_weights(ref, attn);  // attn now computes what ref computes
+void copy_weights(const torch::nn::MultiheadAttention& from,
+                  MultiHeadAttention& to);
+/// The other direction; see above.
+void copy_weights(const MultiHeadAttention& from,
+                  torch::nn::MultiheadAttention& to);
+
+}  // namespace mha

@@ -1,0 +1,181 @@
+// Glossary: L target (query) length, S source (key) length, E query/key
+// feature size, Ev value feature size, "..." any leading (batch, head) dims.
+#include "mha/attention.h"
+
+#include <cmath>
+#include <limits>
+
+#include "attention_core.h"
+#include "mha/masks.h"
+
+namespace mha {
+namespace detail {
+
+AttentionResult attention_core(const torch::Tensor& query,
+                               const torch::Tensor& key,
+                               const torch::Tensor& value,
+                               const torch::Tensor& mask, double dropout_p,
+                               double scale, bool need_weights) {
+  // (..., L, E)·(..., E, S) → (..., L, S); scaling the smaller operand.
+  auto scores = torch::matmul(query * scale, key.transpose(-2, -1));
+  torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
+  if (mask.defined()) {
+    const double neg_inf = -std::numeric_limits<double>::infinity();
+    auto blocked = mask.eq(neg_inf);  // broadcastable to (..., L, S)
+    // Adding -inf to a score that overflowed to +inf would give NaN: blocked
+    // positions are set to -inf, not added to.
+    scores.add_(mask).masked_fill_(blocked, neg_inf);  // (..., L, S)
+    auto rows = blocked.all(/*dim=*/-1, /*keepdim=*/true);
+    if (rows.any().item<bool>()) {
+      // A fully masked row would be softmax(-inf, ..., -inf) = NaN. Give it
+      // finite scores, then zero its weights: the output row is 0 and no
+      // gradient flows into it.
+      blocked_rows = rows;
+      scores.masked_fill_(blocked_rows, 0.0);
+    }
+  }
+  auto weights = torch::softmax(scores, /*dim=*/-1);  // (..., L, S)
+  if (blocked_rows.defined()) {
+    weights = weights.masked_fill(blocked_rows, 0.0);
+  }
+  if (dropout_p > 0.0) {
+    weights = torch::dropout(weights, dropout_p, /*train=*/true);
+  }
+  auto output = torch::matmul(weights, value);  // (..., L, S)·(..., S, Ev)
+  return {output, need_weights ? weights : torch::Tensor()};
+}
+
+void check_broadcastable(const torch::Tensor& mask, const char* name,
+                         torch::IntArrayRef target, const char* target_name) {
+  const auto mask_dims = static_cast<int64_t>(mask.dim());
+  const auto target_dims = static_cast<int64_t>(target.size());
+  bool ok = mask_dims <= target_dims;
+  for (int64_t i = 1; ok && i <= mask_dims; ++i) {
+    const auto m = mask.size(mask_dims - i);
+    ok = m == 1 || m == target[target_dims - i];
+  }
+  TORCH_CHECK(ok, name, " must be broadcastable to ", target_name, " = ",
+              target, ", but got ", mask.sizes());
+}
+
+}  // namespace detail
+
+namespace {
+
+void check_sdpa_inputs(const torch::Tensor& query, const torch::Tensor& key,
+                       const torch::Tensor& value, double dropout_p) {
+  TORCH_CHECK(query.defined() && key.defined() && value.defined(),
+              "scaled_dot_product_attention: query, key and value must all be "
+              "defined");
+  TORCH_CHECK(query.dim() >= 2,
+              "scaled_dot_product_attention: query must be (..., L, E) with at "
+              "least 2 dims, but got ",
+              query.sizes());
+  TORCH_CHECK(key.dim() == query.dim() && value.dim() == query.dim(),
+              "scaled_dot_product_attention: key and value must have query's ",
+              query.dim(), " dims, but got key ", key.sizes(), " and value ",
+              value.sizes());
+  const auto lead = query.sizes().slice(0, query.dim() - 2);
+  TORCH_CHECK(key.sizes().slice(0, key.dim() - 2) == lead &&
+                  value.sizes().slice(0, value.dim() - 2) == lead,
+              "scaled_dot_product_attention: key and value must have query's "
+              "leading dims ",
+              lead, ", but got query ", query.sizes(), ", key ", key.sizes(),
+              ", value ", value.sizes());
+  TORCH_CHECK(key.size(-1) == query.size(-1),
+              "scaled_dot_product_attention: key must be (..., S, E) with "
+              "query's E = ",
+              query.size(-1), ", but got ", key.sizes());
+  TORCH_CHECK(value.size(-2) == key.size(-2),
+              "scaled_dot_product_attention: value must be (..., S, Ev) with "
+              "key's S = ",
+              key.size(-2), ", but got ", value.sizes());
+  TORCH_CHECK(torch::isFloatingType(query.scalar_type()),
+              "scaled_dot_product_attention: query must be floating, but got "
+              "dtype ",
+              query.scalar_type());
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() &&
+                  value.scalar_type() == query.scalar_type(),
+              "scaled_dot_product_attention: key and value must have query's "
+              "dtype ",
+              query.scalar_type(), ", but got key ", key.scalar_type(),
+              " and value ", value.scalar_type());
+  TORCH_CHECK(
+      key.device() == query.device() && value.device() == query.device(),
+      "scaled_dot_product_attention: key and value must be on query's "
+      "device ",
+      query.device(), ", but got key on ", key.device(), " and value on ",
+      value.device());
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
+              "scaled_dot_product_attention: dropout_p must be in [0, 1), but "
+              "got ",
+              dropout_p);
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
+    const torch::Tensor& query, const torch::Tensor& key,
+    const torch::Tensor& value, const torch::Tensor& attn_mask,
+    double dropout_p, bool is_causal, c10::optional<double> scale,
+    bool need_weights) {
+  check_sdpa_inputs(query, key, value, dropout_p);
+  const int64_t L = query.size(-2);
+  const int64_t S = key.size(-2);
+  const int64_t E = query.size(-1);
+  check_mask(attn_mask, "attn_mask", query.scalar_type(), query.device());
+  if (attn_mask.defined()) {
+    auto target = query.sizes().vec();  // (..., L, S)
+    target.back() = S;
+    detail::check_broadcastable(attn_mask, "attn_mask", target, "(..., L, S)");
+  }
+  const double scale_value =
+      scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
+  TORCH_CHECK(std::isfinite(scale_value),
+              "scaled_dot_product_attention: scale must be finite, but got ",
+              scale_value);
+  torch::Tensor causal;
+  if (is_causal) {
+    causal = causal_mask(L, S, query.options());  // (L, S)
+  }
+  auto mask = merge_masks({attn_mask, causal}, query.scalar_type());
+  auto result = detail::attention_core(query, key, value, mask, dropout_p,
+                                       scale_value, need_weights);
+  return {result.output, result.weights};
+}
+
+ScaledDotProductAttentionImpl::ScaledDotProductAttentionImpl(
+    const ScaledDotProductAttentionOptions& options_)
+    : options(options_) {
+  reset();
+}
+
+void ScaledDotProductAttentionImpl::reset() {
+  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0,
+              "ScaledDotProductAttention: dropout must be in [0, 1), but got ",
+              options.dropout());
+}
+
+std::tuple<torch::Tensor, torch::Tensor> ScaledDotProductAttentionImpl::forward(
+    const torch::Tensor& query, const torch::Tensor& key,
+    const torch::Tensor& value, const torch::Tensor& attn_mask, bool is_causal,
+    bool need_weights) {
+  const double p = is_training() ? options.dropout() : 0.0;
+  return scaled_dot_product_attention(query, key, value, attn_mask, p,
+                                      is_causal, options.scale(), need_weights);
+}
+
+void ScaledDotProductAttentionImpl::pretty_print(std::ostream& stream) const {
+  stream << "mha::ScaledDotProductAttention(";
+  const char* sep = "";
+  if (options.dropout() != 0.0) {
+    stream << "dropout=" << options.dropout();
+    sep = ", ";
+  }
+  if (options.scale().has_value()) {
+    stream << sep << "scale=" << *options.scale();
+  }
+  stream << ")";
+}
+
+}  // namespace mha

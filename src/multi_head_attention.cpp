@@ -1,0 +1,407 @@
+// Glossary: N batch, L target (query) length, S source (key) length,
+// S' = S plus the add_bias_kv / add_zero_attn positions, E embed_dim,
+// H num_heads, D head_dim = E / H.
+#include "mha/multi_head_attention.h"
+
+#include <cmath>
+
+#include "attention_core.h"
+#include "mha/masks.h"
+
+namespace mha {
+namespace {
+
+/// Inputs brought to the batched, batch-first layout.
+struct BatchFirstInputs {
+  torch::Tensor query;             // (N, L, E)
+  torch::Tensor key;               // (N, S, kdim)
+  torch::Tensor value;             // (N, S, vdim)
+  torch::Tensor key_padding_mask;  // (N, S) or undefined
+  bool batched = true;
+};
+
+/// Q, K and V after the input projection.
+struct Projected {
+  torch::Tensor q;  // (N, L, E)
+  torch::Tensor k;  // (N, S, E)
+  torch::Tensor v;  // (N, S, E)
+};
+
+/// (N, T, E) → (N, H, T, D).
+torch::Tensor split_heads(const torch::Tensor& x, int64_t num_heads) {
+  const auto N = x.size(0);
+  const auto T = x.size(1);
+  return x.view({N, T, num_heads, -1}).transpose(1, 2);  // (N, H, T, D)
+}
+
+/// (N, H, L, D) → (N, L, E).
+torch::Tensor merge_heads(const torch::Tensor& x) {
+  const auto N = x.size(0);
+  const auto L = x.size(2);
+  return x.transpose(1, 2).reshape({N, L, -1});  // (N, L, E)
+}
+
+torch::Tensor slice_rows(const torch::Tensor& t, int64_t index, int64_t rows) {
+  return t.defined() ? t.narrow(0, index * rows, rows) : t;
+}
+
+}  // namespace
+
+MultiHeadAttentionOptions::MultiHeadAttentionOptions(int64_t embed_dim,
+                                                     int64_t num_heads)
+    : embed_dim_(embed_dim), num_heads_(num_heads) {}
+
+MultiHeadAttentionImpl::MultiHeadAttentionImpl(
+    const MultiHeadAttentionOptions& options_)
+    : options(options_) {
+  reset();
+}
+
+int64_t MultiHeadAttentionImpl::kdim() const {
+  return options.kdim().value_or(options.embed_dim());
+}
+
+int64_t MultiHeadAttentionImpl::vdim() const {
+  return options.vdim().value_or(options.embed_dim());
+}
+
+bool MultiHeadAttentionImpl::packed_in_proj() const {
+  return kdim() == options.embed_dim() && vdim() == options.embed_dim();
+}
+
+void MultiHeadAttentionImpl::reset() {
+  const int64_t E = options.embed_dim();
+  const int64_t H = options.num_heads();
+  TORCH_CHECK(E > 0, "MultiHeadAttention: embed_dim must be > 0, but got ", E);
+  TORCH_CHECK(H > 0, "MultiHeadAttention: num_heads must be > 0, but got ", H);
+  TORCH_CHECK(E % H == 0, "MultiHeadAttention: embed_dim (", E,
+              ") must be divisible by num_heads (", H, ")");
+  TORCH_CHECK(kdim() > 0 && vdim() > 0,
+              "MultiHeadAttention: kdim and vdim must be > 0, but got kdim=",
+              kdim(), ", vdim=", vdim());
+  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0,
+              "MultiHeadAttention: dropout must be in [0, 1), but got ",
+              options.dropout());
+  head_dim = E / H;
+
+  // Registration order as PyTorch's, so named_parameters() lists the same
+  // keys in the same order. Unused parameters are not registered.
+  in_proj_weight = q_proj_weight = k_proj_weight = v_proj_weight =
+      torch::Tensor();
+  in_proj_bias = bias_k = bias_v = torch::Tensor();
+  if (packed_in_proj()) {
+    in_proj_weight =
+        register_parameter("in_proj_weight", torch::empty({3 * E, E}));
+  } else {
+    q_proj_weight = register_parameter("q_proj_weight", torch::empty({E, E}));
+    k_proj_weight =
+        register_parameter("k_proj_weight", torch::empty({E, kdim()}));
+    v_proj_weight =
+        register_parameter("v_proj_weight", torch::empty({E, vdim()}));
+  }
+  if (options.bias()) {
+    in_proj_bias = register_parameter("in_proj_bias", torch::empty({3 * E}));
+  }
+  if (options.add_bias_kv()) {
+    bias_k = register_parameter("bias_k", torch::empty({1, 1, E}));
+    bias_v = register_parameter("bias_v", torch::empty({1, 1, E}));
+  }
+  out_proj = register_module(
+      "out_proj",
+      torch::nn::Linear(torch::nn::LinearOptions(E, E).bias(options.bias())));
+  reset_parameters();
+}
+
+void MultiHeadAttentionImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  for (auto* weight :
+       {&in_proj_weight, &q_proj_weight, &k_proj_weight, &v_proj_weight}) {
+    if (weight->defined()) {
+      torch::nn::init::xavier_uniform_(*weight);
+    }
+  }
+  if (in_proj_bias.defined()) {
+    in_proj_bias.zero_();
+  }
+  out_proj->reset_parameters();
+  if (out_proj->bias.defined()) {
+    out_proj->bias.zero_();
+  }
+  if (bias_k.defined()) {
+    torch::nn::init::xavier_normal_(bias_k);
+    torch::nn::init::xavier_normal_(bias_v);
+  }
+}
+
+void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha
+         << "mha::MultiHeadAttention(embed_dim=" << options.embed_dim()
+         << ", num_heads=" << options.num_heads();
+  if (options.dropout() != 0.0) {
+    stream << ", dropout=" << options.dropout();
+  }
+  if (!options.bias()) {
+    stream << ", bias=false";
+  }
+  if (options.add_bias_kv()) {
+    stream << ", add_bias_kv=true";
+  }
+  if (options.add_zero_attn()) {
+    stream << ", add_zero_attn=true";
+  }
+  if (options.kdim().has_value()) {
+    stream << ", kdim=" << *options.kdim();
+  }
+  if (options.vdim().has_value()) {
+    stream << ", vdim=" << *options.vdim();
+  }
+  if (!options.batch_first()) {
+    stream << ", batch_first=false";
+  }
+  stream << ")";
+}
+
+namespace {
+
+/// Checks the inputs of forward and brings them to (N, T, features).
+BatchFirstInputs to_batch_first(const MultiHeadAttentionImpl& m,
+                                const torch::Tensor& query,
+                                const torch::Tensor& key_in,
+                                const torch::Tensor& value_in,
+                                const torch::Tensor& key_padding_mask) {
+  const int64_t E = m.options.embed_dim();
+  TORCH_CHECK(query.defined(), "MultiHeadAttention: query is undefined");
+  TORCH_CHECK(key_in.defined() == value_in.defined(),
+              "MultiHeadAttention: key and value must both be given (cross-"
+              "attention) or both be undefined (self-attention), but got ",
+              key_in.defined() ? "key without value" : "value without key");
+  const bool self_attention = !key_in.defined();
+  const auto& key = self_attention ? query : key_in;
+  const auto& value = self_attention ? query : value_in;
+  const char* layout = m.options.batch_first() ? "(N, L, E)" : "(L, N, E)";
+  TORCH_CHECK(query.dim() == 3 || query.dim() == 2,
+              "MultiHeadAttention: query must be ", layout,
+              " batched or (L, E) unbatched, but got ", query.sizes());
+  TORCH_CHECK(key.dim() == query.dim() && value.dim() == query.dim(),
+              "MultiHeadAttention: key and value must have query's ",
+              query.dim(), " dims, but got key ", key.sizes(), " and value ",
+              value.sizes());
+  TORCH_CHECK(query.size(-1) == E,
+              "MultiHeadAttention: query must have embed_dim = ", E,
+              " features in its last dim, but got ", query.sizes());
+  TORCH_CHECK(key.size(-1) == m.kdim(),
+              "MultiHeadAttention: key must have kdim = ", m.kdim(),
+              " features in its last dim, but got ", key.sizes(),
+              self_attention ? " (key is the query: self-attention needs "
+                               "kdim == embed_dim)"
+                             : "");
+  TORCH_CHECK(value.size(-1) == m.vdim(),
+              "MultiHeadAttention: value must have vdim = ", m.vdim(),
+              " features in its last dim, but got ", value.sizes(),
+              self_attention ? " (value is the query: self-attention needs "
+                               "vdim == embed_dim)"
+                             : "");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(torch::isFloatingType(dtype),
+              "MultiHeadAttention: query must be floating, but got dtype ",
+              dtype);
+  const auto param_dtype = m.out_proj->weight.scalar_type();
+  TORCH_CHECK(dtype == param_dtype,
+              "MultiHeadAttention: query must have the "
+              "parameters' dtype ",
+              param_dtype, ", but got dtype ", dtype);
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype,
+              "MultiHeadAttention: key and value must have query's dtype ",
+              dtype, ", but got key ", key.scalar_type(), " and value ",
+              value.scalar_type());
+  const auto device = query.device();
+  TORCH_CHECK(device == m.out_proj->weight.device(),
+              "MultiHeadAttention: query must be on the parameters' device ",
+              m.out_proj->weight.device(), ", but got device ", device);
+  TORCH_CHECK(key.device() == device && value.device() == device,
+              "MultiHeadAttention: key and value must be on query's device ",
+              device, ", but got key on ", key.device(), " and value on ",
+              value.device());
+
+  BatchFirstInputs in;
+  in.batched = query.dim() == 3;
+  if (!in.batched) {
+    in.query = query.unsqueeze(0);  // (1, L, E)
+    in.key = key.unsqueeze(0);      // (1, S, kdim)
+    in.value = value.unsqueeze(0);  // (1, S, vdim)
+  } else if (m.options.batch_first()) {
+    in.query = query;
+    in.key = key;
+    in.value = value;
+  } else {
+    in.query = query.transpose(0, 1);  // (L, N, E) → (N, L, E)
+    in.key = key.transpose(0, 1);      // (N, S, kdim)
+    in.value = value.transpose(0, 1);  // (N, S, vdim)
+  }
+  const auto N = in.query.size(0);
+  const auto S = in.key.size(1);
+  TORCH_CHECK(in.key.size(0) == N && in.value.size(0) == N,
+              "MultiHeadAttention: key and value must have query's batch size "
+              "N = ",
+              N, ", but got query ", query.sizes(), ", key ", key.sizes(),
+              ", value ", value.sizes());
+  TORCH_CHECK(in.value.size(1) == S,
+              "MultiHeadAttention: value must have key's length S = ", S,
+              ", but got key ", key.sizes(), " and value ", value.sizes());
+
+  check_mask(key_padding_mask, "key_padding_mask", dtype, device);
+  if (key_padding_mask.defined()) {
+    if (in.batched) {
+      TORCH_CHECK(key_padding_mask.dim() == 2 &&
+                      key_padding_mask.size(0) == N &&
+                      key_padding_mask.size(1) == S,
+                  "key_padding_mask must be (N, S) = (", N, ", ", S,
+                  "), but got ", key_padding_mask.sizes());
+      in.key_padding_mask = key_padding_mask;
+    } else {
+      TORCH_CHECK(key_padding_mask.dim() == 1 && key_padding_mask.size(0) == S,
+                  "key_padding_mask must be (S) = (", S,
+                  ") for unbatched input, but got ", key_padding_mask.sizes());
+      in.key_padding_mask = key_padding_mask.unsqueeze(0);  // (1, S)
+    }
+  }
+  return in;
+}
+
+/// Checks attn_mask and views it as (L, S) or (N, H, L, S).
+torch::Tensor attn_mask_4d(const torch::Tensor& attn_mask, int64_t N, int64_t H,
+                           int64_t L, int64_t S, bool batched,
+                           torch::ScalarType dtype,
+                           const torch::Device& device) {
+  if (!attn_mask.defined()) {
+    return attn_mask;
+  }
+  check_mask(attn_mask, "attn_mask", dtype, device);
+  if (attn_mask.dim() == 2) {
+    TORCH_CHECK(attn_mask.size(0) == L && attn_mask.size(1) == S,
+                "attn_mask must be (L, S) = (", L, ", ", S, ") or (",
+                batched ? "N*num_heads" : "num_heads", ", L, S) = (",
+                batched ? N * H : H, ", ", L, ", ", S, "), but got ",
+                attn_mask.sizes());
+    return attn_mask;  // (L, S)
+  }
+  TORCH_CHECK(attn_mask.dim() == 3 && attn_mask.size(0) == N * H &&
+                  attn_mask.size(1) == L && attn_mask.size(2) == S,
+              "attn_mask must be (L, S) = (", L, ", ", S, ") or (",
+              batched ? "N*num_heads" : "num_heads", ", L, S) = (", N * H, ", ",
+              L, ", ", S, "), but got ", attn_mask.sizes());
+  return attn_mask.view({N, H, L, S});  // (N, H, L, S)
+}
+
+/// The input projection: one GEMM for self-attention, two when key is value.
+Projected project_inputs(const MultiHeadAttentionImpl& m,
+                         const torch::Tensor& query, const torch::Tensor& key,
+                         const torch::Tensor& value, bool self_attention,
+                         bool key_is_value) {
+  const int64_t E = m.options.embed_dim();
+  const auto& b = m.in_proj_bias;
+  if (!m.packed_in_proj()) {
+    return {torch::nn::functional::linear(query, m.q_proj_weight,
+                                          slice_rows(b, 0, E)),
+            torch::nn::functional::linear(key, m.k_proj_weight,
+                                          slice_rows(b, 1, E)),
+            torch::nn::functional::linear(value, m.v_proj_weight,
+                                          slice_rows(b, 2, E))};
+  }
+  const auto& w = m.in_proj_weight;
+  if (self_attention) {
+    auto qkv = torch::nn::functional::linear(query, w, b);  // (N, L, 3E)
+    auto parts = qkv.chunk(3, /*dim=*/-1);
+    return {parts[0], parts[1], parts[2]};  // (N, L, E) each
+  }
+  auto q = torch::nn::functional::linear(query, slice_rows(w, 0, E),
+                                         slice_rows(b, 0, E));  // (N, L, E)
+  if (key_is_value) {
+    auto kv = torch::nn::functional::linear(
+        key, w.narrow(0, E, 2 * E),
+        b.defined() ? b.narrow(0, E, 2 * E) : b);  // (N, S, 2E)
+    auto parts = kv.chunk(2, /*dim=*/-1);
+    return {q, parts[0], parts[1]};
+  }
+  return {q,
+          torch::nn::functional::linear(key, slice_rows(w, 1, E),
+                                        slice_rows(b, 1, E)),
+          torch::nn::functional::linear(value, slice_rows(w, 2, E),
+                                        slice_rows(b, 2, E))};
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
+    const torch::Tensor& query, const torch::Tensor& key,
+    const torch::Tensor& value, const torch::Tensor& key_padding_mask,
+    bool need_weights, const torch::Tensor& attn_mask,
+    bool average_attn_weights, bool is_causal) {
+  // Self-attention is decided by the arguments, never by comparing data.
+  const bool self_attention =
+      !key.defined() || (key.is_same(query) && value.is_same(query));
+  const bool key_is_value = key.defined() && key.is_same(value);
+  auto in = to_batch_first(*this, query, key, value, key_padding_mask);
+  const int64_t N = in.query.size(0);
+  const int64_t L = in.query.size(1);
+  const int64_t S = in.key.size(1);
+  const int64_t H = options.num_heads();
+  const auto dtype = in.query.scalar_type();
+  const auto device = in.query.device();
+
+  // One additive mask broadcastable to (N, H, L, S).
+  auto attn = attn_mask_4d(attn_mask, N, H, L, S, in.batched, dtype, device);
+  torch::Tensor padding;
+  if (in.key_padding_mask.defined()) {
+    padding = in.key_padding_mask.view({N, 1, 1, S});  // (N, 1, 1, S)
+  }
+  torch::Tensor causal;
+  if (is_causal) {
+    causal = causal_mask(L, S, in.query.options());  // (L, S)
+  }
+  auto mask = merge_masks({attn, padding, causal}, dtype);
+
+  auto p = project_inputs(*this, in.query, in.key, in.value, self_attention,
+                          key_is_value);
+  if (options.add_bias_kv()) {
+    p.k = torch::cat({p.k, bias_k.expand({N, 1, -1})}, 1);  // (N, S+1, E)
+    p.v = torch::cat({p.v, bias_v.expand({N, 1, -1})}, 1);  // (N, S+1, E)
+  }
+  auto q = split_heads(p.q, H);  // (N, H, L, D)
+  auto k = split_heads(p.k, H);  // (N, H, S', D)
+  auto v = split_heads(p.v, H);  // (N, H, S', D)
+  if (options.add_zero_attn()) {
+    k = torch::cat({k, torch::zeros({N, H, 1, head_dim}, k.options())},
+                   2);  // (N, H, S'+1, D)
+    v = torch::cat({v, torch::zeros({N, H, 1, head_dim}, v.options())}, 2);
+  }
+  const int64_t extra = k.size(2) - S;
+  if (mask.defined() && extra > 0) {
+    // The appended key positions are never masked.
+    mask = torch::constant_pad_nd(mask, {0, extra}, 0.0);  // (..., S')
+  }
+
+  const double p_drop = is_training() ? options.dropout() : 0.0;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  auto result =
+      detail::attention_core(q, k, v, mask, p_drop, scale, need_weights);
+  // (N, H, L, D) → (N, L, E) → out_proj
+  auto output = out_proj->forward(merge_heads(result.output));  // (N, L, E)
+
+  torch::Tensor weights;
+  if (need_weights) {
+    weights = average_attn_weights ? result.weights.mean(1)  // (N, L, S')
+                                   : result.weights;         // (N, H, L, S')
+  }
+  if (!in.batched) {
+    output = output.squeeze(0);  // (L, E)
+    if (weights.defined()) {
+      weights = weights.squeeze(0);  // (L, S') or (H, L, S')
+    }
+  } else if (!options.batch_first()) {
+    output = output.transpose(0, 1);  // (L, N, E)
+  }
+  return {output, weights};
+}
+
+}  // namespace mha

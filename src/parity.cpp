@@ -1,0 +1,595 @@
+// Glossary: N batch, L target length, S source length, S' = S plus the
+// add_bias_kv / add_zero_attn positions, E embed_dim, H num_heads,
+// D head_dim.
+#include "mha/parity.h"
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "mha/weights.h"
+
+namespace mha::parity {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+torch::Tensor param_or_undefined(
+    const std::map<std::string, torch::Tensor>& params,
+    const std::string& name) {
+  auto it = params.find(name);
+  return it == params.end() ? torch::Tensor() : it->second;
+}
+
+torch::Tensor affine(const torch::Tensor& x, const torch::Tensor& w,
+                     const torch::Tensor& b) {
+  auto y = torch::matmul(x, w.t());
+  return b.defined() ? y + b : y;
+}
+
+/// Adds one (L, S) mask part into `blocked` / `additive` (first S columns).
+void add_mask_part(const torch::Tensor& part, torch::Tensor& blocked,
+                   torch::Tensor& additive) {
+  const auto S = part.size(-1);
+  auto blocked_part = blocked.narrow(1, 0, S);
+  auto additive_part = additive.narrow(1, 0, S);
+  if (part.scalar_type() == torch::kBool) {
+    blocked_part.logical_or_(part);
+  } else {
+    auto p = part.to(torch::kFloat64);
+    auto minus_inf = p.eq(-kInf);
+    blocked_part.logical_or_(minus_inf);
+    additive_part.add_(p.masked_fill(minus_inf, 0.0));
+  }
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> reference_attention(
+    const MultiHeadAttentionOptions& options,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& in) {
+  const int64_t E = options.embed_dim();
+  const int64_t H = options.num_heads();
+  const int64_t D = E / H;
+  const int64_t N = in.query.size(0);
+  const int64_t L = in.query.size(1);
+  const int64_t S = in.key.size(1);
+  auto f64 =
+      torch::TensorOptions().dtype(torch::kFloat64).device(in.query.device());
+
+  torch::Tensor w_q, w_k, w_v;
+  auto packed = param_or_undefined(params, "in_proj_weight");
+  if (packed.defined()) {
+    w_q = packed.narrow(0, 0, E);
+    w_k = packed.narrow(0, E, E);
+    w_v = packed.narrow(0, 2 * E, E);
+  } else {
+    w_q = params.at("q_proj_weight");
+    w_k = params.at("k_proj_weight");
+    w_v = params.at("v_proj_weight");
+  }
+  torch::Tensor b_q, b_k, b_v;
+  auto in_bias = param_or_undefined(params, "in_proj_bias");
+  if (in_bias.defined()) {
+    b_q = in_bias.narrow(0, 0, E);
+    b_k = in_bias.narrow(0, E, E);
+    b_v = in_bias.narrow(0, 2 * E, E);
+  }
+  auto bias_k = param_or_undefined(params, "bias_k");
+  auto bias_v = param_or_undefined(params, "bias_v");
+  auto w_o = params.at("out_proj.weight");
+  auto b_o = param_or_undefined(params, "out_proj.bias");
+
+  std::vector<torch::Tensor> outputs, weights;
+  for (int64_t n = 0; n < N; ++n) {
+    auto q = affine(in.query[n], w_q, b_q);  // (L, E)
+    auto k = affine(in.key[n], w_k, b_k);    // (S, E)
+    auto v = affine(in.value[n], w_v, b_v);  // (S, E)
+    if (bias_k.defined()) {
+      k = torch::cat({k, bias_k.view({1, E})});  // (S+1, E)
+      v = torch::cat({v, bias_v.view({1, E})});
+    }
+    std::vector<torch::Tensor> head_outputs, head_weights;
+    for (int64_t h = 0; h < H; ++h) {
+      auto q_h = q.narrow(1, h * D, D);  // (L, D)
+      auto k_h = k.narrow(1, h * D, D);  // (S', D)
+      auto v_h = v.narrow(1, h * D, D);  // (S', D)
+      if (options.add_zero_attn()) {
+        k_h = torch::cat({k_h, torch::zeros({1, D}, f64)});
+        v_h = torch::cat({v_h, torch::zeros({1, D}, f64)});
+      }
+      const int64_t S2 = k_h.size(0);
+      // Extra columns (bias_kv, zero_attn) stay unblocked and unbiased.
+      auto blocked = torch::zeros({L, S2}, f64.dtype(torch::kBool));
+      auto additive = torch::zeros({L, S2}, f64);
+      if (in.attn_mask.defined()) {
+        add_mask_part(
+            in.attn_mask.dim() == 2 ? in.attn_mask : in.attn_mask[n * H + h],
+            blocked, additive);
+      }
+      if (in.key_padding_mask.defined()) {
+        add_mask_part(in.key_padding_mask[n].expand({L, S}), blocked, additive);
+      }
+      if (in.is_causal) {
+        for (int64_t i = 0; i < L; ++i) {
+          for (int64_t j = i + 1; j < S; ++j) {
+            blocked[i][j] = true;
+          }
+        }
+      }
+      auto allowed = blocked.logical_not();
+      auto scores = torch::matmul(q_h, k_h.t()) / std::sqrt(double(D)) +
+                    additive;  // (L, S')
+      // Softmax over the allowed keys only; a row with none gets weights 0.
+      auto row_max = scores.detach()
+                         .masked_fill(blocked, -kInf)
+                         .amax(/*dim=*/1, /*keepdim=*/true);
+      row_max.masked_fill_(row_max.eq(-kInf), 0.0);
+      auto shifted =
+          torch::where(allowed, scores - row_max, torch::zeros_like(scores));
+      auto e = torch::where(allowed, shifted.exp(), torch::zeros_like(scores));
+      auto denom = e.sum(/*dim=*/1, /*keepdim=*/true);
+      auto w = e / torch::where(denom.gt(0), denom, torch::ones_like(denom));
+      head_outputs.push_back(torch::matmul(w, v_h));  // (L, D)
+      head_weights.push_back(w);                      // (L, S')
+    }
+    outputs.push_back(affine(torch::cat(head_outputs, 1), w_o, b_o));  // (L, E)
+    weights.push_back(torch::stack(head_weights));  // (H, L, S')
+  }
+  return {torch::stack(outputs), torch::stack(weights)};
+}
+
+Tolerance tolerance_for(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kFloat64:
+      return {1e-10, 1e-8};
+    case torch::kFloat32:
+      return {2e-5, 1e-4};
+    case torch::kBFloat16:
+      return {5e-2, 5e-2};
+    case torch::kFloat16:
+      return {5e-3, 5e-3};
+    default:
+      TORCH_CHECK(false, "tolerance_for: dtype must be floating, but got ",
+                  dtype);
+  }
+}
+
+const char* to_string(Status status) {
+  switch (status) {
+    case Status::kPass:
+      return "PASS";
+    case Status::kFail:
+      return "FAIL";
+    case Status::kRefDiff:
+      return "REF-DIFF";
+  }
+  return "?";
+}
+
+namespace {
+
+Comparison compare(const std::string& what, const torch::Tensor& ours,
+                   const torch::Tensor& reference, const Tolerance& tol) {
+  Comparison c;
+  c.what = what;
+  if (!ours.defined() || !reference.defined() ||
+      ours.sizes() != reference.sizes()) {
+    c.within = false;
+    c.max_abs = c.max_rel = kInf;
+    return c;
+  }
+  auto a = ours.detach().to(torch::kCPU, torch::kFloat64);
+  auto b = reference.detach().to(torch::kCPU, torch::kFloat64);
+  if (a.numel() == 0) {
+    return c;
+  }
+  auto diff = (a - b).abs();
+  const bool finite = torch::isfinite(a).all().item<bool>() &&
+                      torch::isfinite(b).all().item<bool>();
+  if (!finite) {
+    c.within = false;
+    c.max_abs = c.max_rel = kInf;
+    return c;
+  }
+  c.max_abs = diff.max().item<double>();
+  c.max_rel = (diff / (b.abs() + tol.atol)).max().item<double>();
+  c.within = diff.le(b.abs() * tol.rtol + tol.atol).all().item<bool>();
+  return c;
+}
+
+void add(ReferenceResult& r, Comparison c) {
+  r.used = true;
+  r.max_abs = std::max(r.max_abs, c.max_abs);
+  r.max_rel = std::max(r.max_rel, c.max_rel);
+  r.within = r.within && c.within;
+  r.parts.push_back(std::move(c));
+}
+
+/// Random canonical masks for a case; float masks hold finite biases and -inf
+/// at the blocked positions.
+void make_masks(const Case& c, int64_t N, int64_t H, int64_t L, int64_t S,
+                torch::ScalarType dtype, const torch::Device& device,
+                Inputs& in) {
+  auto cpu_bool = torch::TensorOptions().dtype(torch::kBool);
+  torch::Tensor padding;  // (N, S) bool
+  if (c.key_padding_mask != MaskKind::kNone ||
+      (c.fully_masked_row && c.attn_mask == MaskKind::kNone)) {
+    padding = torch::zeros({N, S}, cpu_bool);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t pad = std::min<int64_t>(n + 1, S - 1);  // keep key 0
+      padding[n].narrow(0, S - pad, pad).fill_(true);
+    }
+    if (c.fully_masked_row && c.attn_mask == MaskKind::kNone) {
+      padding[0].fill_(true);  // every key of batch 0 blocked
+    }
+  }
+  torch::Tensor attn;  // (L, S) or (N*H, L, S) bool
+  if (c.attn_mask != MaskKind::kNone) {
+    std::vector<int64_t> shape = c.attn_mask_3d
+                                     ? std::vector<int64_t>{N * H, L, S}
+                                     : std::vector<int64_t>{L, S};
+    attn = torch::rand(shape).lt(0.3);
+    attn.select(-1, 0).fill_(false);  // no row fully blocked by chance
+    if (c.fully_masked_row) {
+      (c.attn_mask_3d ? attn[0][0] : attn[0]).fill_(true);
+    }
+  }
+  auto as_kind = [&](const torch::Tensor& blocked, MaskKind kind) {
+    if (!blocked.defined() || kind == MaskKind::kNone) {
+      return blocked.defined() ? blocked.to(device) : blocked;
+    }
+    if (kind == MaskKind::kBool) {
+      return blocked.to(device);
+    }
+    auto values = torch::randn(blocked.sizes(), torch::kFloat64) * 0.5;
+    return values.masked_fill(blocked, -kInf).to(device, dtype);
+  };
+  in.key_padding_mask = as_kind(padding, c.key_padding_mask == MaskKind::kNone
+                                             ? MaskKind::kBool
+                                             : c.key_padding_mask);
+  in.attn_mask = as_kind(attn, c.attn_mask);
+  in.is_causal = c.is_causal;
+}
+
+/// True when some query row has every key blocked (the extra columns of
+/// add_bias_kv / add_zero_attn are never blocked).
+bool has_fully_masked_row(const Case& c, const Inputs& in, int64_t N, int64_t H,
+                          int64_t L, int64_t S) {
+  if (c.add_bias_kv || c.add_zero_attn) {
+    return false;
+  }
+  auto blocked = torch::zeros({N, H, L, S}, torch::kBool);
+  auto as_blocked = [](const torch::Tensor& m) {
+    auto cpu = m.to(torch::kCPU);
+    return cpu.scalar_type() == torch::kBool ? cpu : cpu.eq(-kInf);
+  };
+  if (in.attn_mask.defined()) {
+    auto a = as_blocked(in.attn_mask);
+    blocked.logical_or_(a.dim() == 2 ? a : a.view({N, H, L, S}));
+  }
+  if (in.key_padding_mask.defined()) {
+    blocked.logical_or_(as_blocked(in.key_padding_mask).view({N, 1, 1, S}));
+  }
+  if (in.is_causal) {
+    blocked.logical_or_(torch::ones({L, S}, torch::kBool).triu(1));
+  }
+  return blocked.all(-1).any().item<bool>();
+}
+
+/// Converts a canonical (N, T, F) tensor to the layout the case feeds mha.
+torch::Tensor to_case_layout(const Case& c, const torch::Tensor& x) {
+  if (c.unbatched) {
+    return x.squeeze(0);
+  }
+  return c.batch_first ? x : x.transpose(0, 1);
+}
+
+torch::Tensor from_case_layout(const Case& c, const torch::Tensor& x) {
+  if (c.unbatched) {
+    return x.unsqueeze(0);
+  }
+  return c.batch_first ? x : x.transpose(0, 1);
+}
+
+/// Known reasons why torch::nn::MultiheadAttention cannot be the reference.
+std::string reference_difference(const Case& c, int64_t kdim, int64_t vdim,
+                                 bool fully_masked) {
+  std::vector<std::string> reasons;
+  if (c.attn_mask == MaskKind::kBool) {
+    reasons.push_back("torch::nn adds a bool attn_mask as 0/1");
+  }
+  if (c.attn_mask != MaskKind::kNone && c.attn_mask_3d) {
+    reasons.push_back("torch::nn fails on a 3-D attn_mask");
+  }
+  if (kdim != vdim) {
+    reasons.push_back("torch::nn asserts key.sizes() == value.sizes()");
+  }
+  if (c.key_padding_mask == MaskKind::kFloat) {
+    reasons.push_back("torch::nn does not apply a float key_padding_mask");
+  }
+  if (fully_masked) {
+    reasons.push_back("torch::nn gives NaN on fully masked rows");
+  }
+  std::string joined;
+  for (const auto& r : reasons) {
+    joined += (joined.empty() ? "" : "; ") + r;
+  }
+  return joined;
+}
+
+/// Output (canonical) and weights of one forward, with the loss
+/// sum(output·g_out) + sum(weights·g_w) back-propagated.
+struct Run {
+  torch::Tensor output;   // (N, L, E)
+  torch::Tensor weights;  // (N, L, S') or (N, H, L, S') or undefined
+};
+
+torch::Tensor leaf(const torch::Tensor& t, torch::ScalarType dtype) {
+  return t.detach().to(dtype).clone().requires_grad_(true);
+}
+
+}  // namespace
+
+CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
+  TORCH_CHECK(!c.unbatched || c.batch == 1, "parity case ", c.name,
+              ": unbatched needs batch = 1, but got ", c.batch);
+  const int64_t E = c.embed_dim;
+  const int64_t H = c.num_heads;
+  const int64_t N = c.batch;
+  const int64_t L = c.tgt_len;
+  const int64_t S = c.self_attention ? c.tgt_len : c.src_len;
+  const int64_t kdim = c.kdim.value_or(E);
+  const int64_t vdim = c.vdim.value_or(E);
+  TORCH_CHECK(!c.self_attention || (kdim == E && vdim == E), "parity case ",
+              c.name, ": self-attention needs kdim = vdim = embed_dim");
+  torch::manual_seed(seed);
+
+  CaseResult result;
+  result.name = c.name;
+  result.tolerance = tolerance_for(c.dtype);
+  const auto dtype = c.dtype;
+  const auto tol = result.tolerance;
+
+  auto options = MultiHeadAttentionOptions(E, H)
+                     .bias(c.bias)
+                     .add_bias_kv(c.add_bias_kv)
+                     .add_zero_attn(c.add_zero_attn)
+                     .kdim(c.kdim)
+                     .vdim(c.vdim)
+                     .batch_first(c.batch_first);
+  MultiHeadAttention ours(options);
+  {
+    // Non-zero biases, so that a misplaced bias cannot hide.
+    torch::NoGradGuard no_grad;
+    for (auto& p : ours->named_parameters()) {
+      if (p.key().find("bias") != std::string::npos) {
+        p.value().uniform_(-0.5, 0.5);
+      }
+    }
+  }
+  ours->to(device, dtype);
+  ours->eval();
+  // The references take their weights from this untouched copy.
+  auto pristine =
+      std::dynamic_pointer_cast<MultiHeadAttentionImpl>(ours->clone());
+  if (c.tamper) {
+    torch::NoGradGuard no_grad;
+    c.tamper(*ours);
+  }
+
+  // Canonical inputs, rounded to dtype once, so that every contender sees
+  // the same values.
+  auto on = torch::TensorOptions().dtype(dtype).device(device);
+  Inputs in;
+  in.query = torch::randn({N, L, E}, on);
+  in.key = c.self_attention ? in.query : torch::randn({N, S, kdim}, on);
+  in.value = c.self_attention ? in.query : torch::randn({N, S, vdim}, on);
+  make_masks(c, N, H, L, S, dtype, device, in);
+  const bool fully_masked = has_fully_masked_row(c, in, N, H, L, S);
+  const int64_t S2 = S + (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
+  auto g_out = torch::randn({N, L, E}, on);
+  auto g_w = c.average_attn_weights ? torch::randn({N, L, S2}, on)
+                                    : torch::randn({N, H, L, S2}, on);
+
+  auto loss_of = [&](const torch::Tensor& out, const torch::Tensor& w,
+                     torch::ScalarType t) {
+    auto loss = (out * g_out.to(t)).sum();
+    if (c.need_weights) {
+      loss = loss + (w * g_w.to(t)).sum();
+    }
+    return loss;
+  };
+  std::string compared = c.need_weights ? "out+w" : "out";
+  compared += "+grads";
+  result.compared = compared;
+
+  // --- mha ---
+  auto q = leaf(in.query, dtype);
+  auto k = c.self_attention ? q : leaf(in.key, dtype);
+  auto v = c.self_attention ? q : leaf(in.value, dtype);
+  auto kpm = in.key_padding_mask;
+  if (kpm.defined() && c.unbatched) {
+    kpm = kpm.squeeze(0);
+  }
+  auto [out_raw, w_raw] = ours->forward(
+      to_case_layout(c, q),
+      c.self_attention ? torch::Tensor() : to_case_layout(c, k),
+      c.self_attention ? torch::Tensor() : to_case_layout(c, v), kpm,
+      c.need_weights, in.attn_mask, c.average_attn_weights, c.is_causal);
+  Run mine{from_case_layout(c, out_raw),
+           w_raw.defined() && c.unbatched ? w_raw.unsqueeze(0) : w_raw};
+  loss_of(mine.output, mine.weights, dtype).backward();
+
+  // --- float64 reference ---
+  std::map<std::string, torch::Tensor> params64;
+  for (const auto& p : pristine->named_parameters()) {
+    params64[p.key()] = leaf(p.value(), torch::kFloat64);
+  }
+  Inputs in64 = in;
+  in64.query = leaf(in.query, torch::kFloat64);
+  in64.key = c.self_attention ? in64.query : leaf(in.key, torch::kFloat64);
+  in64.value = c.self_attention ? in64.query : leaf(in.value, torch::kFloat64);
+  auto [out64, w64_heads] = reference_attention(options, params64, in64);
+  auto w64 = c.average_attn_weights ? w64_heads.mean(1) : w64_heads;
+  loss_of(out64, w64, torch::kFloat64).backward();
+
+  add(result.float64, compare("output", mine.output, out64, tol));
+  if (c.need_weights) {
+    add(result.float64, compare("weights", mine.weights, w64, tol));
+  } else if (mine.weights.defined()) {
+    add(result.float64, Comparison{"weights undefined", kInf, kInf, false});
+  }
+  add(result.float64, compare("grad query", q.grad(), in64.query.grad(), tol));
+  if (!c.self_attention) {
+    add(result.float64, compare("grad key", k.grad(), in64.key.grad(), tol));
+    add(result.float64,
+        compare("grad value", v.grad(), in64.value.grad(), tol));
+  }
+  for (const auto& p : ours->named_parameters()) {
+    add(result.float64, compare("grad " + p.key(), p.value().grad(),
+                                params64.at(p.key()).grad(), tol));
+  }
+
+  // --- torch::nn::MultiheadAttention ---
+  const auto ref_diff = reference_difference(c, kdim, vdim, fully_masked);
+  if (!ref_diff.empty()) {
+    result.note = ref_diff;
+    result.status = result.float64.within ? Status::kRefDiff : Status::kFail;
+    return result;
+  }
+  try {
+    torch::nn::MultiheadAttention ref(torch::nn::MultiheadAttentionOptions(E, H)
+                                          .bias(c.bias)
+                                          .add_bias_kv(c.add_bias_kv)
+                                          .add_zero_attn(c.add_zero_attn)
+                                          .kdim(kdim)
+                                          .vdim(vdim));
+    ref->to(device, dtype);
+    ref->eval();
+    copy_weights(MultiHeadAttention(pristine), ref);
+    // torch::nn takes (L, N, E), has no is_causal, and only float attn_mask.
+    auto rq = leaf(in.query, dtype);
+    auto rk = c.self_attention ? rq : leaf(in.key, dtype);
+    auto rv = c.self_attention ? rq : leaf(in.value, dtype);
+    torch::Tensor attn = in.attn_mask;
+    if (c.is_causal) {
+      auto causal =
+          torch::zeros({L, S}, on)
+              .masked_fill(torch::ones({L, S}, on.dtype(torch::kBool)).triu(1),
+                           -kInf);
+      attn = attn.defined() ? attn + causal : causal;
+      result.note = "is_causal passed to torch::nn as a float attn_mask";
+    }
+    auto [r_out, r_w] = ref->forward(
+        rq.transpose(0, 1), rk.transpose(0, 1), rv.transpose(0, 1),
+        in.key_padding_mask, c.need_weights, attn, c.average_attn_weights);
+    auto ref_out = r_out.transpose(0, 1);
+    loss_of(ref_out, r_w, dtype).backward();
+    add(result.torch_nn, compare("output", mine.output, ref_out, tol));
+    if (c.need_weights) {
+      add(result.torch_nn, compare("weights", mine.weights, r_w, tol));
+    }
+    add(result.torch_nn, compare("grad query", q.grad(), rq.grad(), tol));
+    if (!c.self_attention) {
+      add(result.torch_nn, compare("grad key", k.grad(), rk.grad(), tol));
+      add(result.torch_nn, compare("grad value", v.grad(), rv.grad(), tol));
+    }
+    auto ref_params = ref->named_parameters();
+    for (const auto& p : ours->named_parameters()) {
+      const auto* r = ref_params.find(p.key());
+      add(result.torch_nn, compare("grad " + p.key(), p.value().grad(),
+                                   r ? r->grad() : torch::Tensor(), tol));
+    }
+  } catch (const c10::Error& e) {
+    result.note = std::string("torch::nn threw: ") + e.what_without_backtrace();
+    result.torch_nn.used = true;
+    result.torch_nn.within = false;
+  }
+  result.status = result.torch_nn.within && result.float64.within
+                      ? Status::kPass
+                      : Status::kFail;
+  return result;
+}
+
+std::vector<Case> default_cases() {
+  std::vector<Case> cases;
+  auto add_case = [&](std::string name, auto&& configure) {
+    for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+      Case c;
+      configure(c);
+      c.dtype = dtype;
+      c.name = name + (dtype == torch::kFloat32 ? "/f32" : "/f64");
+      cases.push_back(c);
+    }
+  };
+  add_case("self", [](Case& c) { c.self_attention = true; });
+  add_case("cross", [](Case&) {});
+  add_case("cross-L!=S-heads1", [](Case& c) { c.num_heads = 1; });
+  add_case("kdim-vdim", [](Case& c) {
+    c.kdim = 6;
+    c.vdim = 6;
+  });
+  add_case("kdim!=vdim!=E", [](Case& c) {
+    c.kdim = 5;
+    c.vdim = 3;
+  });
+  add_case("bias-off", [](Case& c) { c.bias = false; });
+  add_case("add_bias_kv", [](Case& c) { c.add_bias_kv = true; });
+  add_case("add_zero_attn", [](Case& c) { c.add_zero_attn = true; });
+  add_case("bias_kv+zero_attn+padding", [](Case& c) {
+    c.add_bias_kv = true;
+    c.add_zero_attn = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("padding-bool",
+           [](Case& c) { c.key_padding_mask = MaskKind::kBool; });
+  add_case("padding-float",
+           [](Case& c) { c.key_padding_mask = MaskKind::kFloat; });
+  add_case("attn2d-float", [](Case& c) { c.attn_mask = MaskKind::kFloat; });
+  add_case("attn2d-bool", [](Case& c) { c.attn_mask = MaskKind::kBool; });
+  add_case("attn3d-float", [](Case& c) {
+    c.attn_mask = MaskKind::kFloat;
+    c.attn_mask_3d = true;
+  });
+  add_case("attn3d-bool", [](Case& c) {
+    c.attn_mask = MaskKind::kBool;
+    c.attn_mask_3d = true;
+  });
+  add_case("both-masks", [](Case& c) {
+    c.attn_mask = MaskKind::kFloat;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("causal-self", [](Case& c) {
+    c.self_attention = true;
+    c.is_causal = true;
+  });
+  add_case("causal+padding-L!=S", [](Case& c) {
+    c.is_causal = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("weights-per-head", [](Case& c) { c.average_attn_weights = false; });
+  add_case("no-weights", [](Case& c) { c.need_weights = false; });
+  add_case("seq-first", [](Case& c) {
+    c.batch_first = false;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("unbatched", [](Case& c) {
+    c.unbatched = true;
+    c.batch = 1;
+    c.attn_mask = MaskKind::kFloat;
+  });
+  add_case("L=1-batch1", [](Case& c) {
+    c.tgt_len = 1;
+    c.batch = 1;
+  });
+  add_case("fully-masked-padding", [](Case& c) { c.fully_masked_row = true; });
+  add_case("fully-masked-attn-no-weights", [](Case& c) {
+    c.fully_masked_row = true;
+    c.attn_mask = MaskKind::kFloat;
+    c.need_weights = false;
+  });
+  return cases;
+}
+
+}  // namespace mha::parity

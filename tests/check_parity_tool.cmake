@@ -1,0 +1,53 @@
+# Checks mha-parity's documented exit codes and that --json writes every case.
+# Variables: TOOL (the mha-parity executable), WORK_DIR.
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+function(expect_exit code)
+  execute_process(COMMAND ${TOOL} ${ARGN} RESULT_VARIABLE rc
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL code)
+    message(FATAL_ERROR "mha-parity ${ARGN}: exit ${rc}, expected ${code}\n${out}${err}")
+  endif()
+  set(last_output "${out}${err}" PARENT_SCOPE)
+endfunction()
+
+expect_exit(2 --no-such-flag)
+expect_exit(2 --device tpu)
+expect_exit(2 --filter "no-case-matches-this")
+expect_exit(2 --dtype float16)  # half types need CUDA
+expect_exit(0 --help)
+execute_process(COMMAND ${TOOL} --device cuda RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 AND NOT rc EQUAL 0)
+  message(FATAL_ERROR "--device cuda: exit ${rc}; expected 2 without CUDA, 0 with")
+endif()
+if(rc EQUAL 2 AND NOT err MATCHES "CUDA is not available")
+  message(FATAL_ERROR "--device cuda without CUDA must say so, got: ${err}")
+endif()
+
+# --list and --json agree on the cases; the JSON parses.
+expect_exit(0 --list --filter "/f64")
+string(STRIP "${last_output}" listed)
+string(REPLACE "\n" ";" listed "${listed}")
+list(LENGTH listed listed_count)
+expect_exit(0 --filter "/f64" --json ${WORK_DIR}/parity.json)
+file(READ ${WORK_DIR}/parity.json json)
+string(JSON case_count LENGTH "${json}" cases)
+string(JSON failures GET "${json}" summary fail)
+string(JSON libtorch GET "${json}" environment libtorch)
+if(NOT case_count EQUAL listed_count OR listed_count LESS 15)
+  message(FATAL_ERROR "--json holds ${case_count} cases, --list ${listed_count}")
+endif()
+if(NOT failures EQUAL 0)
+  message(FATAL_ERROR "--json reports ${failures} failures")
+endif()
+math(EXPR last "${case_count} - 1")
+foreach(i RANGE ${last})
+  string(JSON name GET "${json}" cases ${i} case)
+  list(GET listed ${i} expected)
+  if(NOT name STREQUAL expected)
+    message(FATAL_ERROR "case ${i}: json '${name}', list '${expected}'")
+  endif()
+endforeach()
+message(STATUS "mha-parity: exit codes ok, ${case_count} cases in JSON (LibTorch ${libtorch})")

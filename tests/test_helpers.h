@@ -1,0 +1,42 @@
+// Shared helpers of the test suites.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+
+/// Asserts that `statement` throws c10::Error whose message contains
+/// `substring` (fmt's EXPECT_THROW_MSG idea: the error text is API).
+#define EXPECT_THROW_MSG(statement, substring)                            \
+  do {                                                                    \
+    try {                                                                 \
+      statement;                                                          \
+      ADD_FAILURE() << "expected c10::Error containing \"" << (substring) \
+                    << "\", but nothing was thrown";                      \
+    } catch (const c10::Error& e) {                                       \
+      const std::string message = e.what_without_backtrace();             \
+      EXPECT_NE(message.find(substring), std::string::npos)               \
+          << "message: " << message                                       \
+          << "\nexpected to contain: " << (substring);                    \
+    }                                                                     \
+  } while (0)
+
+/// Seeds torch's generator before each test.
+class SeededTest : public ::testing::Test {
+ protected:
+  void SetUp() override { torch::manual_seed(0); }
+};
+
+/// Asserts allclose with a readable message.
+inline void expect_close(const torch::Tensor& actual,
+                         const torch::Tensor& expected, double atol,
+                         double rtol = 0.0, const std::string& what = "") {
+  ASSERT_TRUE(actual.defined()) << what << ": actual is undefined";
+  ASSERT_TRUE(expected.defined()) << what << ": expected is undefined";
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  auto a = actual.detach().to(torch::kFloat64);
+  auto e = expected.detach().to(torch::kFloat64);
+  EXPECT_TRUE(torch::allclose(a, e, rtol, atol))
+      << what << ": max abs diff " << (a - e).abs().max().item<double>();
+}

@@ -1,0 +1,108 @@
+// Tests of the parity library behind mha-parity.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <regex>
+#include <set>
+
+#include "mha/mha.h"
+#include "test_helpers.h"
+
+namespace {
+
+using mha::parity::Case;
+using mha::parity::MaskKind;
+using mha::parity::Status;
+
+class ParityTest : public SeededTest {};
+
+TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
+  auto cases = mha::parity::default_cases();
+  ASSERT_GE(cases.size(), 30u);
+  std::set<std::string> names;
+  int ref_diffs = 0;
+  for (const auto& c : cases) {
+    EXPECT_TRUE(names.insert(c.name).second) << "duplicate " << c.name;
+    auto r = mha::parity::run_case(c, torch::kCPU, 0);
+    EXPECT_NE(r.status, Status::kFail) << c.name << ": " << r.note;
+    EXPECT_TRUE(r.float64.used) << c.name;
+    if (r.status == Status::kRefDiff) {
+      ++ref_diffs;
+      EXPECT_FALSE(r.note.empty()) << c.name << " must say why";
+      EXPECT_FALSE(r.torch_nn.used) << c.name;
+    } else {
+      EXPECT_TRUE(r.torch_nn.used) << c.name;
+    }
+  }
+  EXPECT_GT(ref_diffs, 0);
+}
+
+TEST_F(ParityTest, PlantedWeightFaultFails) {
+  Case c;
+  c.name = "planted";
+  c.tamper = [](mha::MultiHeadAttentionImpl& m) {
+    m.in_proj_weight[3][2].add_(1e-2);  // one weight of the mha copy
+  };
+  auto r = mha::parity::run_case(c, torch::kCPU, 0);
+  EXPECT_EQ(r.status, Status::kFail);
+  EXPECT_FALSE(r.torch_nn.within);
+  EXPECT_FALSE(r.float64.within);
+  // The same case without the fault passes.
+  c.tamper = nullptr;
+  EXPECT_EQ(mha::parity::run_case(c, torch::kCPU, 0).status, Status::kPass);
+}
+
+TEST_F(ParityTest, PlantedFaultOnRefDiffRowFails) {
+  Case c;
+  c.name = "planted-ref-diff";
+  c.attn_mask = MaskKind::kBool;  // torch::nn is not the reference here
+  c.tamper = [](mha::MultiHeadAttentionImpl& m) {
+    m.out_proj->bias[0].add_(1e-3);
+  };
+  EXPECT_EQ(mha::parity::run_case(c, torch::kCPU, 0).status, Status::kFail);
+}
+
+TEST_F(ParityTest, ReferenceMatchesHandComputedSingleHead) {
+  // E = 1, H = 1, identity projections: weights = softmax(q k / 1).
+  auto options = mha::MultiHeadAttentionOptions(1, 1).bias(false);
+  std::map<std::string, torch::Tensor> params = {
+      {"in_proj_weight", torch::ones({3, 1}, torch::kFloat64)},
+      {"out_proj.weight", torch::ones({1, 1}, torch::kFloat64)}};
+  mha::parity::Inputs in;
+  in.query = torch::tensor({1.0, 2.0}, torch::kFloat64).view({1, 2, 1});
+  in.key = torch::tensor({0.0, 1.0}, torch::kFloat64).view({1, 2, 1});
+  in.value = torch::tensor({10.0, 20.0}, torch::kFloat64).view({1, 2, 1});
+  in.key_padding_mask = torch::tensor({{false, false}});
+  in.attn_mask = torch::tensor({{false, true}, {true, true}});
+  auto [out, w] = mha::parity::reference_attention(options, params, in);
+  // Query 0 sees key 0 only; query 1 sees nothing: weights 0, output 0.
+  expect_close(w.view({2, 2}),
+               torch::tensor({{1.0, 0.0}, {0.0, 0.0}}, torch::kFloat64), 0);
+  expect_close(out.view({2}), torch::tensor({10.0, 0.0}, torch::kFloat64), 0);
+  // No masks: softmax([1*0, 1*1]) for query 0.
+  in.attn_mask = torch::Tensor();
+  auto [out2, w2] = mha::parity::reference_attention(options, params, in);
+  const double e = std::exp(1.0);
+  expect_close(w2[0][0][0],
+               torch::tensor({1 / (1 + e), e / (1 + e)}, torch::kFloat64),
+               1e-15);
+}
+
+TEST_F(ParityTest, InvalidCaseThrows) {
+  Case c;
+  c.name = "bad";
+  c.unbatched = true;
+  c.batch = 2;
+  EXPECT_THROW_MSG(mha::parity::run_case(c, torch::kCPU, 0),
+                   "unbatched needs batch = 1, but got 2");
+}
+
+TEST_F(ParityTest, Tolerances) {
+  EXPECT_LT(mha::parity::tolerance_for(torch::kFloat64).atol,
+            mha::parity::tolerance_for(torch::kFloat32).atol);
+  EXPECT_THROW_MSG(mha::parity::tolerance_for(torch::kLong),
+                   "dtype must be floating, but got Long");
+  EXPECT_STREQ(mha::parity::to_string(Status::kRefDiff), "REF-DIFF");
+}
+
+}  // namespace

@@ -1,0 +1,333 @@
+// mha-parity: proves that mha::MultiHeadAttention equals
+// torch::nn::MultiheadAttention (and a float64 reference) on this machine.
+// Exit status: 0 all cases PASS or REF-DIFF, 1 some case FAILs, 2 bad usage.
+#include <fmt/core.h>
+
+#include <CLI/CLI.hpp>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "mha/detail/compat.h"
+#include "mha/parity.h"
+
+namespace {
+
+using mha::parity::Case;
+using mha::parity::CaseResult;
+using mha::parity::MaskKind;
+using mha::parity::Status;
+
+const std::map<std::string, torch::ScalarType> kDtypes = {
+    {"float32", torch::kFloat32},
+    {"float64", torch::kFloat64},
+    {"float16", torch::kFloat16},
+    {"bfloat16", torch::kBFloat16}};
+
+const std::map<std::string, MaskKind> kMaskKinds = {
+    {"none", MaskKind::kNone},
+    {"bool", MaskKind::kBool},
+    {"float", MaskKind::kFloat}};
+
+std::string dtype_name(torch::ScalarType dtype) {
+  for (const auto& [name, type] : kDtypes) {
+    if (type == dtype) {
+      return name;
+    }
+  }
+  return "?";
+}
+
+/// The shared library providing BLAS in this process (Debian's LibTorch calls
+/// the system BLAS chosen by update-alternatives), read from /proc/self/maps.
+std::string loaded_blas() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    auto slash = line.find('/');
+    if (slash == std::string::npos) {
+      continue;
+    }
+    auto path = line.substr(slash);
+    if (path.find("blas") != std::string::npos ||
+        path.find("mkl_core") != std::string::npos) {
+      std::error_code ec;
+      auto real = std::filesystem::canonical(path, ec);
+      return ec ? path : real.string();
+    }
+  }
+  return "none found (statically linked?)";
+}
+
+std::string format_error(const mha::parity::ReferenceResult& r) {
+  if (!r.used) {
+    return fmt::format("{:>19}", "-");
+  }
+  return fmt::format("{:>9.2e} {:>9.2e}", r.max_abs, r.max_rel);
+}
+
+nlohmann::json to_json(const mha::parity::ReferenceResult& r) {
+  nlohmann::json j;
+  j["used"] = r.used;
+  if (!r.used) {
+    return j;
+  }
+  j["max_abs"] = r.max_abs;
+  j["max_rel"] = r.max_rel;
+  j["within_tolerance"] = r.within;
+  for (const auto& p : r.parts) {
+    j["parts"].push_back({{"what", p.what},
+                          {"max_abs", p.max_abs},
+                          {"max_rel", p.max_rel},
+                          {"within_tolerance", p.within}});
+  }
+  return j;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "mha-parity: checks mha::MultiHeadAttention against "
+      "torch::nn::MultiheadAttention and a float64 reference (outputs, "
+      "weights, gradients). Exit 0: all PASS or REF-DIFF; 1: a FAIL; 2: bad "
+      "usage."};
+  std::string device_name = "cpu";
+  std::string dtype_filter;
+  uint64_t seed = 0;
+  std::string filter;
+  std::string json_path;
+  bool list = false;
+  app.add_option("--device", device_name, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--dtype", dtype_filter,
+                 "only this dtype: float32, float64, float16, bfloat16 "
+                 "(half types need --device cuda)")
+      ->check(CLI::IsMember({"float32", "float64", "float16", "bfloat16"}));
+  app.add_option("--seed", seed, "random seed of weights and inputs");
+  app.add_option("--filter", filter, "only cases whose name matches (regex)");
+  app.add_option("--json", json_path, "write every row and the environment");
+  app.add_flag("--list", list, "list the case names and exit");
+
+  Case custom;
+  custom.name = "custom";
+  std::string padding = "none", attn_mask = "none";
+  auto* g = app.add_option_group("custom case",
+                                 "any of these runs one custom case instead "
+                                 "of the matrix");
+  std::vector<CLI::Option*> custom_flags = {
+      g->add_option("--batch", custom.batch, "N")->check(CLI::PositiveNumber),
+      g->add_option("--tgt-len", custom.tgt_len, "L")
+          ->check(CLI::PositiveNumber),
+      g->add_option("--src-len", custom.src_len, "S")
+          ->check(CLI::PositiveNumber),
+      g->add_option("--embed-dim", custom.embed_dim, "E")
+          ->check(CLI::PositiveNumber),
+      g->add_option("--num-heads", custom.num_heads, "H")
+          ->check(CLI::PositiveNumber),
+      g->add_option("--kdim", custom.kdim, "key features")
+          ->check(CLI::PositiveNumber),
+      g->add_option("--vdim", custom.vdim, "value features")
+          ->check(CLI::PositiveNumber),
+      g->add_flag("--self", custom.self_attention, "self-attention"),
+      g->add_flag("--causal", custom.is_causal, "is_causal"),
+      g->add_option("--padding", padding, "key_padding_mask: none|bool|float")
+          ->check(CLI::IsMember({"none", "bool", "float"})),
+      g->add_option("--attn-mask", attn_mask, "attn_mask: none|bool|float")
+          ->check(CLI::IsMember({"none", "bool", "float"})),
+      g->add_flag("--attn-mask-3d", custom.attn_mask_3d,
+                  "attn_mask as (N*H, L, S)"),
+      g->add_flag("--no-bias", "projections without bias"),
+      g->add_flag("--add-bias-kv", custom.add_bias_kv, "add_bias_kv"),
+      g->add_flag("--add-zero-attn", custom.add_zero_attn, "add_zero_attn"),
+      g->add_flag("--seq-first", "batch_first=false"),
+      g->add_flag("--per-head", "average_attn_weights=false"),
+      g->add_flag("--no-weights", "need_weights=false"),
+  };
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help exits 0; every usage error exits 2 (CLI11's own codes vary).
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  const bool use_custom =
+      std::any_of(custom_flags.begin(), custom_flags.end(),
+                  [](const CLI::Option* o) { return o->count() > 0; });
+  custom.bias = app.count("--no-bias") == 0;
+  custom.batch_first = app.count("--seq-first") == 0;
+  custom.average_attn_weights = app.count("--per-head") == 0;
+  custom.need_weights = app.count("--no-weights") == 0;
+  custom.key_padding_mask = kMaskKinds.at(padding);
+  custom.attn_mask = kMaskKinds.at(attn_mask);
+
+  const bool cuda = device_name == "cuda";
+  if (cuda && !torch::cuda::is_available()) {
+    fmt::print(stderr,
+               "mha-parity: --device cuda: CUDA is not available (LibTorch {} "
+               "built without CUDA, or no GPU)\n",
+               mha::detail::torch_version());
+    return 2;
+  }
+  std::vector<torch::ScalarType> dtypes;
+  if (!dtype_filter.empty()) {
+    dtypes = {kDtypes.at(dtype_filter)};
+  } else {
+    dtypes = {torch::kFloat32, torch::kFloat64};
+    if (cuda) {
+      dtypes.push_back(torch::kFloat16);
+      dtypes.push_back(torch::kBFloat16);
+    }
+  }
+  for (auto dtype : dtypes) {
+    if (!cuda && (dtype == torch::kFloat16 || dtype == torch::kBFloat16)) {
+      fmt::print(stderr, "mha-parity: --dtype {} needs --device cuda\n",
+                 dtype_name(dtype));
+      return 2;
+    }
+  }
+
+  // The case list: the matrix, or one custom case per dtype.
+  std::vector<Case> cases;
+  if (use_custom) {
+    if (custom.self_attention) {
+      custom.src_len = custom.tgt_len;
+    }
+    if (custom.embed_dim % custom.num_heads != 0) {
+      fmt::print(stderr,
+                 "mha-parity: --embed-dim {} must be divisible by --num-heads "
+                 "{}\n",
+                 custom.embed_dim, custom.num_heads);
+      return 2;
+    }
+    for (auto dtype : dtypes) {
+      Case c = custom;
+      c.dtype = dtype;
+      c.name = "custom/" + dtype_name(dtype);
+      cases.push_back(c);
+    }
+  } else {
+    for (const auto& base : mha::parity::default_cases()) {
+      if (base.dtype != torch::kFloat32 && base.dtype != torch::kFloat64) {
+        continue;
+      }
+      for (auto dtype : dtypes) {
+        const bool half = dtype == torch::kFloat16 || dtype == torch::kBFloat16;
+        if (base.dtype == dtype || (half && base.dtype == torch::kFloat32)) {
+          Case c = base;
+          c.dtype = dtype;
+          if (half) {
+            c.name = c.name.substr(0, c.name.rfind('/')) + "/" +
+                     (dtype == torch::kFloat16 ? "f16" : "bf16");
+          }
+          cases.push_back(c);
+        }
+      }
+    }
+  }
+  if (!filter.empty()) {
+    std::regex re;
+    try {
+      re = std::regex(filter);
+    } catch (const std::regex_error& e) {
+      fmt::print(stderr, "mha-parity: --filter {}: invalid regex ({})\n",
+                 filter, e.what());
+      return 2;
+    }
+    std::vector<Case> kept;
+    for (const auto& c : cases) {
+      if (std::regex_search(c.name, re)) {
+        kept.push_back(c);
+      }
+    }
+    cases = kept;
+    if (cases.empty()) {
+      fmt::print(stderr, "mha-parity: --filter {} matches no case\n", filter);
+      return 2;
+    }
+  }
+  if (list) {
+    for (const auto& c : cases) {
+      fmt::print("{}\n", c.name);
+    }
+    return 0;
+  }
+
+  const torch::Device device(cuda ? torch::kCUDA : torch::kCPU);
+  const auto blas = loaded_blas();
+  fmt::print(
+      "mha-parity: LibTorch {}, device {}, {} intra-op thread(s), "
+      "seed {}\nBLAS: {}\n",
+      mha::detail::torch_version(), device_name, at::get_num_threads(), seed,
+      blas);
+  fmt::print(
+      "Errors are max |mha - ref| and max |mha - ref| / (|ref| + atol) "
+      "over output, weights and every gradient.\n"
+      "PASS: within tolerance of torch::nn and of float64. REF-DIFF: "
+      "torch::nn is known wrong here;\nmha matches float64.\n\n");
+  fmt::print("{:<34} {:<13} {:>19} {:>19} {:>15} {:<8} {}\n", "case",
+             "compared", "vs torch::nn (abs rel)", "vs float64 (abs rel)",
+             "atol/rtol", "status", "note");
+
+  std::map<Status, int> counts;
+  std::map<std::string, double> worst;  // dtype → worst abs error
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& c = cases[i];
+    CaseResult r;
+    try {
+      r = mha::parity::run_case(c, device, seed + i);
+    } catch (const c10::Error& e) {
+      r.name = c.name;
+      r.status = Status::kFail;
+      r.note = std::string("mha threw: ") + e.what_without_backtrace();
+    }
+    counts[r.status]++;
+    auto& w = worst[dtype_name(c.dtype)];
+    w = std::max({w, r.torch_nn.used ? r.torch_nn.max_abs : 0.0,
+                  r.float64.used ? r.float64.max_abs : 0.0});
+    fmt::print("{:<34} {:<13} {} {} {:>7.0e}/{:<7.0e} {:<8} {}\n", r.name,
+               r.compared, format_error(r.torch_nn), format_error(r.float64),
+               r.tolerance.atol, r.tolerance.rtol, to_string(r.status), r.note);
+    rows.push_back({{"case", r.name},
+                    {"dtype", dtype_name(c.dtype)},
+                    {"status", to_string(r.status)},
+                    {"compared", r.compared},
+                    {"atol", r.tolerance.atol},
+                    {"rtol", r.tolerance.rtol},
+                    {"note", r.note},
+                    {"torch_nn", to_json(r.torch_nn)},
+                    {"float64", to_json(r.float64)}});
+  }
+  fmt::print(
+      "\n{} cases: {} PASS, {} REF-DIFF (known torch::nn difference, "
+      "mha matches float64), {} FAIL\n",
+      cases.size(), counts[Status::kPass], counts[Status::kRefDiff],
+      counts[Status::kFail]);
+  for (const auto& [dtype, err] : worst) {
+    fmt::print("worst max abs error, {}: {:.2e}\n", dtype, err);
+  }
+  if (!json_path.empty()) {
+    nlohmann::json doc;
+    doc["environment"] = {{"libtorch", mha::detail::torch_version()},
+                          {"device", device_name},
+                          {"blas", blas},
+                          {"intra_op_threads", at::get_num_threads()},
+                          {"seed", seed}};
+    doc["cases"] = rows;
+    doc["summary"] = {{"pass", counts[Status::kPass]},
+                      {"ref_diff", counts[Status::kRefDiff]},
+                      {"fail", counts[Status::kFail]}};
+    std::ofstream out(json_path);
+    if (!out) {
+      fmt::print(stderr, "mha-parity: --json {}: cannot write the file\n",
+                 json_path);
+      return 2;
+    }
+    out << doc.dump(2) << '\n';
+  }
+  return counts[Status::kFail] == 0 ? 0 : 1;
+}
