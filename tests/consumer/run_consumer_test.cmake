@@ -1,6 +1,8 @@
-# Installs the mha build tree into a scratch prefix, then configures, builds
-# and runs the consumer project against it with find_package(mha).
-# Variables: MHA_BINARY_DIR, CONSUMER_SOURCE_DIR, WORK_DIR, GENERATOR.
+# Configures, builds and runs a consumer project. With MHA_BINARY_DIR, first
+# installs that mha build into a scratch prefix for find_package(mha); with
+# MHA_SOURCE_DIR, the consumer builds mha itself with add_subdirectory.
+# Variables: MHA_BINARY_DIR or MHA_SOURCE_DIR, CONSUMER_SOURCE_DIR, WORK_DIR,
+# GENERATOR.
 file(REMOVE_RECURSE ${WORK_DIR})
 function(run)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
@@ -8,9 +10,14 @@ function(run)
     message(FATAL_ERROR "failed (${rc}): ${ARGV}")
   endif()
 endfunction()
-run(${CMAKE_COMMAND} --install ${MHA_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
+set(extra)
+if(MHA_BINARY_DIR)
+  run(${CMAKE_COMMAND} --install ${MHA_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
+  list(APPEND extra -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+else()
+  list(APPEND extra -DMHA_SOURCE_DIR=${MHA_SOURCE_DIR})
+endif()
 run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build
-    -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
-    -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+    -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release ${extra})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
