@@ -1,4 +1,5 @@
-# Checks mha-parity's documented exit codes and that --json writes every case.
+# Checks mha-parity's documented exit codes (0 all pass, 1 a FAIL, 2 bad
+# usage) and that --json writes every case.
 # Variables: TOOL (the mha-parity executable), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -16,7 +17,12 @@ expect_exit(2 --no-such-flag)
 expect_exit(2 --device tpu)
 expect_exit(2 --filter "no-case-matches-this")
 expect_exit(2 --dtype float16)  # half types need CUDA
+expect_exit(2 --self --kdim 5)
 expect_exit(0 --help)
+expect_exit(1 --plant-fault --filter "^cross/f64$")
+if(NOT last_output MATCHES "FAIL")
+  message(FATAL_ERROR "--plant-fault: expected a FAIL row, got:\n${last_output}")
+endif()
 execute_process(COMMAND ${TOOL} --device cuda RESULT_VARIABLE rc
                 OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 2 AND NOT rc EQUAL 0)

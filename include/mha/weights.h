@@ -15,8 +15,9 @@ namespace mha {
 /// Throws c10::Error naming the first option or parameter shape that differs.
 ///
 /// Example:
-///   torch::nn::MultiheadAttention ref(torch::nn::MultiheadAttentionOptions(8,
-///   2)); mha::MultiHeadAttention attn(mha::MultiHeadAttentionOptions(8, 2));
+///   torch::nn::MultiheadAttention ref(
+///       torch::nn::MultiheadAttentionOptions(8, 2));
+///   mha::MultiHeadAttention attn(mha::MultiHeadAttentionOptions(8, 2));
 ///   mha::copy_weights(ref, attn);  // attn now computes what ref computes
 void copy_weights(const torch::nn::MultiheadAttention& from,
                   MultiHeadAttention& to);

@@ -2,7 +2,7 @@
 # installs that mha build into a scratch prefix for find_package(mha); with
 # MHA_SOURCE_DIR, the consumer builds mha itself with add_subdirectory.
 # Variables: MHA_BINARY_DIR or MHA_SOURCE_DIR, CONSUMER_SOURCE_DIR, WORK_DIR,
-# GENERATOR.
+# GENERATOR, TORCH_DIR (LibTorch's CMake folder), CXX (the compiler).
 file(REMOVE_RECURSE ${WORK_DIR})
 function(run)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
@@ -10,7 +10,7 @@ function(run)
     message(FATAL_ERROR "failed (${rc}): ${ARGV}")
   endif()
 endfunction()
-set(extra)
+set(extra -DTorch_DIR=${TORCH_DIR} -DCMAKE_CXX_COMPILER=${CXX})
 if(MHA_BINARY_DIR)
   run(${CMAKE_COMMAND} --install ${MHA_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
   list(APPEND extra -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
