@@ -289,6 +289,10 @@ torch::Tensor from_case_layout(const Case& c, const torch::Tensor& x) {
   return c.batch_first ? x : x.transpose(0, 1);
 }
 
+bool is_half(torch::ScalarType dtype) {
+  return dtype == torch::kFloat16 || dtype == torch::kBFloat16;
+}
+
 /// Known reasons why torch::nn::MultiheadAttention cannot be the reference.
 std::string reference_difference(const Case& c, int64_t kdim, int64_t vdim,
                                  bool fully_masked, bool padding) {
@@ -308,7 +312,7 @@ std::string reference_difference(const Case& c, int64_t kdim, int64_t vdim,
   if (fully_masked) {
     reasons.push_back("torch::nn gives NaN on fully masked rows");
   }
-  if (padding && (c.dtype == torch::kFloat16 || c.dtype == torch::kBFloat16)) {
+  if (padding && is_half(c.dtype)) {
     // Its masked_fill dispatches over float and double only.
     reasons.push_back("torch::nn's key_padding_mask fails for half types");
   }
@@ -327,10 +331,6 @@ struct Run {
 };
 
 using Parts = std::vector<std::pair<std::string, torch::Tensor>>;
-
-bool is_half(torch::ScalarType dtype) {
-  return dtype == torch::kFloat16 || dtype == torch::kBFloat16;
-}
 
 /// Machine epsilon of a floating dtype.
 double dtype_epsilon(torch::ScalarType dtype) {
@@ -568,12 +568,14 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
     result.torch_nn.within = false;
   }
 
-  const bool half = is_half(dtype);
+  // Half types with a valid torch::nn: the bound comes from its own error.
+  const bool half_rule =
+      is_half(dtype) && !nn_parts.empty() && ref_diff.empty();
   for (size_t i = 0; i < mine_parts.size(); ++i) {
     const auto& [what, mine_t] = mine_parts[i];
     const auto& f64_t = f64_parts[i].second;
     Tolerance part_tol = tol;
-    if (half && !nn_parts.empty() && ref_diff.empty()) {
+    if (half_rule) {
       // flash-attention's rule: our error against float64 at most twice
       // LibTorch's own, plus one rounding step of the dtype at this scale.
       part_tol = {2.0 * max_abs_diff(nn_parts[i].second, f64_t) +
@@ -583,13 +585,13 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
     add(result.float64, compare(what, mine_t, f64_t, part_tol));
     if (!nn_parts.empty()) {
       auto vs_nn = compare(what, mine_t, nn_parts[i].second, tol);
-      if (half && ref_diff.empty()) {
+      if (half_rule) {
         vs_nn.within = true;  // informative: the bound is against float64
       }
       add(result.torch_nn, vs_nn);
     }
   }
-  if (half && !nn_parts.empty() && ref_diff.empty()) {
+  if (half_rule) {
     result.note = "bound: 2x torch::nn's error vs float64 + dtype rounding";
   }
 
