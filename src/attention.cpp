@@ -6,16 +6,25 @@
 #include <limits>
 
 #include "attention_core.h"
+#include "mha/detail/compat.h"
 #include "mha/masks.h"
 
 namespace mha {
 namespace detail {
 
-AttentionResult attention_core(const torch::Tensor& query,
-                               const torch::Tensor& key,
-                               const torch::Tensor& value,
-                               const torch::Tensor& mask, double dropout_p,
-                               double scale, bool need_weights) {
+AttentionResult explicit_attention(const torch::Tensor& query,
+                                   const torch::Tensor& key,
+                                   const torch::Tensor& value,
+                                   const torch::Tensor& mask_in, bool is_causal,
+                                   double dropout_p, double scale,
+                                   bool need_weights) {
+  const auto dtype = query.scalar_type();
+  auto mask = mask_in;
+  if (is_causal) {
+    mask = merge_masks(
+        {mask, causal_mask(query.size(-2), key.size(-2), query.options())},
+        dtype);  // broadcastable to (..., L, S)
+  }
   // (..., L, E)·(..., E, S) → (..., L, S); scaling the smaller operand.
   auto scores = torch::matmul(query * scale, key.transpose(-2, -1));
   torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
@@ -26,7 +35,9 @@ AttentionResult attention_core(const torch::Tensor& query,
     // positions are set to -inf, not added to.
     scores.add_(mask).masked_fill_(blocked, neg_inf);  // (..., L, S)
     auto rows = blocked.all(/*dim=*/-1, /*keepdim=*/true);
-    if (rows.any().item<bool>()) {
+    // On CPU, asking whether any row is fully masked is cheap and saves two
+    // passes over the scores; on an accelerator it would stall the stream.
+    if (!query.device().is_cpu() || rows.any().item<bool>()) {
       // A fully masked row would be softmax(-inf, ..., -inf) = NaN. Give it
       // finite scores, then zero its weights: the output row is 0 and no
       // gradient flows into it.
@@ -34,7 +45,10 @@ AttentionResult attention_core(const torch::Tensor& query,
       scores.masked_fill_(blocked_rows, 0.0);
     }
   }
-  auto weights = torch::softmax(scores, /*dim=*/-1);  // (..., L, S)
+  const bool half = dtype == torch::kHalf || dtype == torch::kBFloat16;
+  auto weights = half ? torch::softmax(scores, /*dim=*/-1, torch::kFloat)
+                            .to(dtype)  // accumulated in float32
+                      : torch::softmax(scores, /*dim=*/-1);  // (..., L, S)
   if (blocked_rows.defined()) {
     weights = weights.masked_fill(blocked_rows, 0.0);
   }
@@ -43,6 +57,30 @@ AttentionResult attention_core(const torch::Tensor& query,
   }
   auto output = torch::matmul(weights, value);  // (..., L, S)·(..., S, Ev)
   return {output, need_weights ? weights : torch::Tensor()};
+}
+
+AttentionResult attention_core(const torch::Tensor& query,
+                               const torch::Tensor& key,
+                               const torch::Tensor& value,
+                               const torch::Tensor& mask, bool is_causal,
+                               double dropout_p, double scale,
+                               bool need_weights) {
+#if MHA_HAS_FUSED_SDPA
+  if (!need_weights) {
+    // LibTorch refuses is_causal together with a mask: merge them then.
+    const bool merge = is_causal && mask.defined();
+    auto fused_mask =
+        merge ? merge_masks({mask, causal_mask(query.size(-2), key.size(-2),
+                                               query.options())},
+                            query.scalar_type())
+              : mask;
+    return {fused_sdpa(query, key, value, fused_mask, dropout_p,
+                       is_causal && !merge, scale),
+            torch::Tensor()};
+  }
+#endif
+  return explicit_attention(query, key, value, mask, is_causal, dropout_p,
+                            scale, need_weights);
 }
 
 void check_broadcastable(const torch::Tensor& mask, const char* name,
@@ -120,7 +158,6 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     double dropout_p, bool is_causal, c10::optional<double> scale,
     bool need_weights) {
   check_sdpa_inputs(query, key, value, dropout_p);
-  const int64_t L = query.size(-2);
   const int64_t S = key.size(-2);
   const int64_t E = query.size(-1);
   check_mask(attn_mask, "attn_mask", query.scalar_type(), query.device());
@@ -134,13 +171,10 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
   TORCH_CHECK(std::isfinite(scale_value),
               "scaled_dot_product_attention: scale must be finite, but got ",
               scale_value);
-  torch::Tensor causal;
-  if (is_causal) {
-    causal = causal_mask(L, S, query.options());  // (L, S)
-  }
-  auto mask = merge_masks({attn_mask, causal}, query.scalar_type());
-  auto result = detail::attention_core(query, key, value, mask, dropout_p,
-                                       scale_value, need_weights);
+  // One additive mask; merge_masks turns a bool mask into 0 / -inf.
+  auto mask = merge_masks({attn_mask}, query.scalar_type());
+  auto result = detail::attention_core(query, key, value, mask, is_causal,
+                                       dropout_p, scale_value, need_weights);
   return {result.output, result.weights};
 }
 

@@ -355,8 +355,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   if (in.key_padding_mask.defined()) {
     padding = in.key_padding_mask.view({N, 1, 1, S});  // (N, 1, 1, S)
   }
+  // The appended key positions of add_bias_kv / add_zero_attn are never
+  // masked, causal or not: with them, the causal block is merged into the
+  // mask before it is padded; without them the core applies it.
+  const bool extra_keys = options.add_bias_kv() || options.add_zero_attn();
   torch::Tensor causal;
-  if (is_causal) {
+  if (is_causal && extra_keys) {
     causal = causal_mask(L, S, in.query.options());  // (L, S)
   }
   auto mask = merge_masks({attn, padding, causal}, dtype);
@@ -383,8 +387,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
 
   const double p_drop = is_training() ? options.dropout() : 0.0;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  auto result =
-      detail::attention_core(q, k, v, mask, p_drop, scale, need_weights);
+  auto result = detail::attention_core(q, k, v, mask, is_causal && !extra_keys,
+                                       p_drop, scale, need_weights);
   // (N, H, L, D) → (N, L, E) → out_proj
   auto output = out_proj->forward(merge_heads(result.output));  // (N, L, E)
 

@@ -5,13 +5,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <limits>
 #include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "mha/attention.h"
+#include "mha/detail/compat.h"
 #include "test_helpers.h"
 
 namespace {
@@ -742,3 +745,102 @@ TEST_F(ScaledDotProductAttentionModuleTest, WorksThroughAnyModule) {
 }
 
 }  // namespace
+
+// ------------------------------------------------- fused vs explicit path ---
+// Without need_weights the core takes LibTorch's fused kernel where it meets
+// the semantics (LibTorch >= 2.5); with need_weights, the explicit softmax
+// path. Both must agree, forward and backward, on every kind of mask.
+
+namespace {
+
+struct PathCase {
+  std::string name;
+  torch::Tensor mask;  // as passed to attn_mask, or undefined
+  bool is_causal = false;
+};
+
+std::vector<PathCase> path_cases(int64_t N, int64_t H, int64_t L, int64_t S,
+                                 torch::ScalarType dtype) {
+  auto f = torch::TensorOptions().dtype(dtype);
+  auto padding = torch::zeros({N, 1, 1, S}, torch::kBool);
+  padding.index_put_({0, 0, 0, torch::indexing::Slice(S - 2)}, true);
+  auto fully = torch::zeros({L, S}, torch::kBool);
+  fully.index_put_({1}, true);  // query 1 sees no key
+  auto bias = torch::randn({N, H, L, S}, f);
+  bias.index_put_({1, 0, 0, torch::indexing::Slice()}, -kInf);
+  return {
+      {"no mask", {}, false},
+      {"causal", {}, true},
+      {"bool padding (N,1,1,S)", padding, false},
+      {"bool padding + causal", padding, true},
+      {"bool with a fully masked row", fully, false},
+      {"float (L,S)", torch::randn({L, S}, f), false},
+      {"float (N,H,L,S) with -inf row", bias, false},
+      {"float (N,H,L,S) + causal", bias, true},
+  };
+}
+
+}  // namespace
+
+TEST_F(ScaledDotProductAttentionTest, FusedPathEqualsExplicitPath) {
+  std::cout << "[ note ] fused at::scaled_dot_product_attention path: "
+            << (mha::detail::has_fused_sdpa() ? "on" : "off (LibTorch < 2.5)")
+            << "\n";
+  const int64_t N = 2, H = 3, E = 8;
+  for (auto dtype : {torch::kFloat32, torch::kFloat64, torch::kBFloat16}) {
+    const double tol = dtype == torch::kFloat64   ? 1e-12
+                       : dtype == torch::kFloat32 ? 2e-6
+                                                  : 3e-2;
+    for (auto [L, S] : {std::pair<int64_t, int64_t>{5, 7}, {7, 5}}) {
+      for (const auto& c : path_cases(N, H, L, S, dtype)) {
+        SCOPED_TRACE(c.name + ", " + std::string(c10::toString(dtype)) +
+                     ", L=" + std::to_string(L) + ", S=" + std::to_string(S));
+        auto opts = torch::TensorOptions().dtype(dtype);
+        auto q = torch::randn({N, H, L, E}, opts);
+        auto k = torch::randn({N, H, S, E}, opts);
+        auto v = torch::randn({N, H, S, E}, opts);
+        auto grad_out = torch::randn({N, H, L, E}, opts);
+        std::vector<torch::Tensor> outs, grads;
+        for (bool need_weights : {false, true}) {
+          auto qg = q.clone().requires_grad_();
+          auto kg = k.clone().requires_grad_();
+          auto vg = v.clone().requires_grad_();
+          auto [out, w] = mha::scaled_dot_product_attention(
+              qg, kg, vg, c.mask, 0.0, c.is_causal, c10::nullopt, need_weights);
+          EXPECT_EQ(w.defined(), need_weights);
+          (out * grad_out).sum().backward();
+          outs.push_back(out.detach());
+          grads.insert(grads.end(), {qg.grad(), kg.grad(), vg.grad()});
+        }
+        EXPECT_FALSE(has_nan(outs[0])) << "fused output has NaN";
+        expect_close(outs[0], outs[1], tol, tol, "output");
+        const char* names[] = {"query grad", "key grad", "value grad"};
+        for (int i = 0; i < 3; ++i) {
+          EXPECT_FALSE(has_nan(grads[i])) << names[i] << " has NaN";
+          expect_close(grads[i], grads[i + 3], 2 * tol, tol, names[i]);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(ScaledDotProductAttentionTest, FusedPathTakes3DAnd2DInputs) {
+  // The fused kernel's own fast paths need 4-D input; other ranks must still
+  // give the explicit path's result.
+  for (auto shape :
+       {std::vector<int64_t>{3, 6, 4}, std::vector<int64_t>{6, 4}}) {
+    auto q = torch::randn(shape);
+    auto k = torch::randn(shape);
+    auto v = torch::randn(shape);
+    auto blocked = torch::zeros({6, 6}, torch::kBool);
+    blocked.index_put_({2}, true);
+    auto [fast, w0] = mha::scaled_dot_product_attention(
+        q, k, v, blocked, 0.0, true, c10::nullopt, false);
+    auto [slow, w1] = mha::scaled_dot_product_attention(
+        q, k, v, blocked, 0.0, true, c10::nullopt, true);
+    expect_close(fast, slow, 2e-6, 2e-6,
+                 "rank " + std::to_string(shape.size()));
+    expect_close(fast.select(-2, 2), torch::zeros_like(fast.select(-2, 2)), 0.0,
+                 0.0, "fully masked row");
+  }
+}

@@ -7,13 +7,59 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <variant>
+
 #define MHA_TORCH_VERSION_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||              \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// LibTorch's fused `at::scaled_dot_product_attention` (flash / memory-
+// efficient kernels on CUDA, flash on CPU) exists from 2.0 and takes `scale`
+// from 2.1, but only from 2.5 on does a fully masked row give output 0 (and
+// zero gradient) instead of NaN, as DESIGN.md requires. Older versions use
+// mha's explicit softmax path for every call.
+#if MHA_TORCH_VERSION_AT_LEAST(2, 5)
+#define MHA_HAS_FUSED_SDPA 1
+#else
+#define MHA_HAS_FUSED_SDPA 0
+#endif
 
 namespace mha::detail {
 
 /// The LibTorch version the library was compiled against, e.g. "1.13.0".
 inline const char* torch_version() { return TORCH_VERSION; }
+
+/// True when attention without requested weights runs on LibTorch's fused
+/// `at::scaled_dot_product_attention` (LibTorch >= 2.5).
+constexpr bool has_fused_sdpa() { return MHA_HAS_FUSED_SDPA != 0; }
+
+/// The alternative T held by one of LibTorch's variants (such as
+/// torch::nn::activation_t), or nullptr. LibTorch 1.13 has its own
+/// c10::variant, 2.x std::variant; argument-dependent lookup picks the
+/// matching get_if without naming a version.
+template <class T, class Variant>
+const T* variant_get_if(const Variant& variant) {
+  using std::get_if;
+  return get_if<T>(&variant);
+}
+
+#if MHA_HAS_FUSED_SDPA
+/// softmax(query·keyᵀ·scale + mask)·value through LibTorch's fused kernel.
+/// `mask` is additive (query's dtype, broadcastable to (..., L, S)) or
+/// undefined; `is_causal` is top-left and must not be combined with a mask
+/// (LibTorch refuses both at once).
+inline torch::Tensor fused_sdpa(const torch::Tensor& query,
+                                const torch::Tensor& key,
+                                const torch::Tensor& value,
+                                const torch::Tensor& mask, double dropout_p,
+                                bool is_causal, double scale) {
+  c10::optional<torch::Tensor> attn_mask;
+  if (mask.defined()) {
+    attn_mask = mask;
+  }
+  return at::scaled_dot_product_attention(query, key, value, attn_mask,
+                                          dropout_p, is_causal, scale);
+}
+#endif
 
 }  // namespace mha::detail
