@@ -1,6 +1,7 @@
 #include "mha/weights.h"
 
 #include <string>
+#include <utility>
 
 namespace mha {
 namespace {
@@ -95,6 +96,65 @@ void copy_weights(const MultiHeadAttention& from,
               "copy_weights: a module holder is empty (nullptr)");
   check_options(to->options, *from, /*ref_is_source=*/false);
   copy_all(parameters_of(*from), parameters_of(*to));
+}
+
+namespace {
+
+void check_layer_options(const torch::nn::TransformerEncoderLayerOptions& ref,
+                         const TransformerEncoderLayerOptions& ours,
+                         bool ref_is_source) {
+  auto check = [&](const char* name, int64_t ref_value, int64_t our_value) {
+    if (ref_is_source) {
+      check_option(name, ref_value, our_value);
+    } else {
+      check_option(name, our_value, ref_value);
+    }
+  };
+  check("d_model", ref.d_model(), ours.d_model());
+  check("nhead", ref.nhead(), ours.nhead());
+  check("dim_feedforward", ref.dim_feedforward(), ours.dim_feedforward());
+  check("bias", /*LibTorch's layer always has biases*/ 1, ours.bias());
+}
+
+/// Copies the parameters outside self_attn; `to_ref` says which side is
+/// LibTorch's.
+void copy_layer_rest(const torch::nn::TransformerEncoderLayerImpl& ref,
+                     const TransformerEncoderLayerImpl& ours, bool to_ref) {
+  torch::NoGradGuard no_grad;
+  const std::pair<const char*, std::pair<torch::Tensor, torch::Tensor>>
+      pairs[] = {
+          {"linear1.weight", {ref.linear1->weight, ours.linear1->weight}},
+          {"linear1.bias", {ref.linear1->bias, ours.linear1->bias}},
+          {"linear2.weight", {ref.linear2->weight, ours.linear2->weight}},
+          {"linear2.bias", {ref.linear2->bias, ours.linear2->bias}},
+          {"norm1.weight", {ref.norm1->weight, ours.norm1->weight}},
+          {"norm1.bias", {ref.norm1->bias, ours.norm1->bias}},
+          {"norm2.weight", {ref.norm2->weight, ours.norm2->weight}},
+          {"norm2.bias", {ref.norm2->bias, ours.norm2->bias}}};
+  for (const auto& [name, tensors] : pairs) {
+    auto destination = to_ref ? tensors.first : tensors.second;
+    copy_one(name, to_ref ? tensors.second : tensors.first, destination);
+  }
+}
+
+}  // namespace
+
+void copy_weights(const torch::nn::TransformerEncoderLayer& from,
+                  TransformerEncoderLayer& to) {
+  TORCH_CHECK(!from.is_empty() && !to.is_empty(),
+              "copy_weights: a module holder is empty (nullptr)");
+  check_layer_options(from->options, to->options, /*ref_is_source=*/true);
+  copy_weights(from->self_attn, to->self_attn);
+  copy_layer_rest(*from, *to, /*to_ref=*/false);
+}
+
+void copy_weights(const TransformerEncoderLayer& from,
+                  torch::nn::TransformerEncoderLayer& to) {
+  TORCH_CHECK(!from.is_empty() && !to.is_empty(),
+              "copy_weights: a module holder is empty (nullptr)");
+  check_layer_options(to->options, from->options, /*ref_is_source=*/false);
+  copy_weights(from->self_attn, to->self_attn);
+  copy_layer_rest(*to, *from, /*to_ref=*/true);
 }
 
 }  // namespace mha

@@ -6,4 +6,5 @@
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"
 #include "mha/parity.h"
+#include "mha/transformer.h"
 #include "mha/weights.h"
