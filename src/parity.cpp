@@ -136,6 +136,50 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
   return {torch::stack(outputs), torch::stack(weights)};
 }
 
+torch::Tensor reference_encoder_layer(
+    const TransformerEncoderLayerOptions& options, bool gelu,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& in) {
+  auto p = [&](const std::string& name) {
+    return param_or_undefined(params, name);
+  };
+  const std::string prefix = "self_attn.";
+  std::map<std::string, torch::Tensor> attn_params;
+  for (const auto& [name, value] : params) {
+    if (name.rfind(prefix, 0) == 0) {
+      attn_params[name.substr(prefix.size())] = value;
+    }
+  }
+  const auto attn_options =
+      MultiHeadAttentionOptions(options.d_model(), options.nhead())
+          .bias(options.bias());
+  const double eps = options.layer_norm_eps();
+  auto norm = [&](const torch::Tensor& x, const std::string& name) {
+    auto mean = x.mean(-1, /*keepdim=*/true);
+    auto var = (x - mean).pow(2).mean(-1, /*keepdim=*/true);  // biased
+    auto y = (x - mean) / torch::sqrt(var + eps) * p(name + ".weight");
+    auto b = p(name + ".bias");
+    return b.defined() ? y + b : y;
+  };
+  auto self_attention = [&](const torch::Tensor& x) {
+    Inputs a = in;
+    a.query = a.key = a.value = x;
+    return std::get<0>(reference_attention(attn_options, attn_params, a));
+  };
+  auto feed_forward = [&](const torch::Tensor& x) {
+    auto h = affine(x, p("linear1.weight"), p("linear1.bias"));
+    h = gelu ? 0.5 * h * (1.0 + torch::erf(h / std::sqrt(2.0)))
+             : h.clamp_min(0.0);
+    return affine(h, p("linear2.weight"), p("linear2.bias"));
+  };
+  auto x = in.query;  // (N, L, E)
+  if (options.norm_first()) {
+    x = x + self_attention(norm(x, "norm1"));
+    return x + feed_forward(norm(x, "norm2"));
+  }
+  x = norm(x + self_attention(x), "norm1");
+  return norm(x + feed_forward(x), "norm2");
+}
+
 Tolerance tolerance_for(torch::ScalarType dtype) {
   switch (dtype) {
     case torch::kFloat64:
@@ -425,9 +469,228 @@ Parts run_torch_nn(const Case& c,
   return parts;
 }
 
+/// Compares mha's tensors with both references' and sets the status:
+/// PASS within tolerance of both (of float64 alone where torch::nn lacks the
+/// case's options: `nn` empty and `nn_threw` empty), REF-DIFF when torch::nn
+/// is known to differ (`ref_diff`) and mha matches float64, else FAIL.
+void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
+           const Parts& nn_parts, const std::string& ref_diff,
+           const std::string& nn_threw, CaseResult& result) {
+  const auto dtype = c.dtype;
+  const auto tol = result.tolerance;
+  // Half types with a valid torch::nn: the bound comes from its own error.
+  const bool half_rule =
+      is_half(dtype) && !nn_parts.empty() && ref_diff.empty();
+  for (size_t i = 0; i < mine_parts.size(); ++i) {
+    const auto& [what, mine_t] = mine_parts[i];
+    const auto& f64_t = f64_parts[i].second;
+    Tolerance part_tol = tol;
+    if (half_rule) {
+      // flash-attention's rule: our error against float64 at most twice
+      // LibTorch's own, plus one rounding step of the dtype at this scale.
+      part_tol = {2.0 * max_abs_diff(nn_parts[i].second, f64_t) +
+                      dtype_epsilon(dtype) * max_abs(f64_t),
+                  0.0};
+    }
+    add(result.float64, compare(what, mine_t, f64_t, part_tol));
+    if (!nn_parts.empty()) {
+      auto vs_nn = compare(what, mine_t, nn_parts[i].second, tol);
+      if (half_rule) {
+        vs_nn.within = true;  // informative: the bound is against float64
+      }
+      add(result.torch_nn, vs_nn);
+    }
+  }
+  if (half_rule) {
+    result.note = "bound: 2x torch::nn's error vs float64 + dtype rounding";
+  }
+
+  if (!ref_diff.empty()) {
+    if (result.torch_nn.within) {
+      // The known difference did not show: say so, and hold mha to both.
+      result.note =
+          "expected a difference (" + ref_diff + ") but torch::nn agrees";
+      result.status = result.float64.within ? Status::kPass : Status::kFail;
+    } else {
+      result.note =
+          ref_diff + (nn_threw.empty() ? "" : " [threw: " + nn_threw + "]");
+      result.status = result.float64.within ? Status::kRefDiff : Status::kFail;
+    }
+  } else if (!nn_threw.empty()) {
+    result.note = "torch::nn threw: " + nn_threw;
+    result.status = Status::kFail;
+  } else {
+    result.status = result.torch_nn.within && result.float64.within
+                        ? Status::kPass
+                        : Status::kFail;
+  }
+}
+
+/// torch::nn::TransformerEncoderLayer on the weights of `ours` (post-norm,
+/// seq-first, eps 1e-5: the caller checked the case has those options);
+/// is_causal is passed as a float src_mask.
+Parts run_torch_nn_encoder(
+    const Case& c, const std::shared_ptr<TransformerEncoderLayerImpl>& ours,
+    const Inputs& in, const torch::Tensor& g_out, std::string& note) {
+  const auto dtype = c.dtype;
+  const int64_t L = in.query.size(1);
+  auto ref_options = torch::nn::TransformerEncoderLayerOptions(
+                         ours->options.d_model(), ours->options.nhead())
+                         .dim_feedforward(ours->options.dim_feedforward())
+                         .dropout(0.0);
+  if (c.gelu) {
+    ref_options.activation(torch::kGELU);
+  }
+  torch::nn::TransformerEncoderLayer ref(ref_options);
+  ref->to(in.query.device(), dtype);
+  ref->eval();
+  copy_weights(TransformerEncoderLayer(ours), ref);
+  auto rx = leaf(in.query, dtype);
+  torch::Tensor src_mask = in.attn_mask;
+  if (c.is_causal) {
+    auto on = in.query.options();
+    auto causal =
+        torch::zeros({L, L}, on)
+            .masked_fill(torch::ones({L, L}, on.dtype(torch::kBool)).triu(1),
+                         -kInf);
+    src_mask = src_mask.defined() ? src_mask + causal : causal;
+    note = "is_causal passed to torch::nn as a float src_mask";
+  }
+  auto out = ref->forward(rx.transpose(0, 1), src_mask, in.key_padding_mask)
+                 .transpose(0, 1);  // (N, L, E)
+  (out * g_out).sum().backward();
+  Parts parts = {{"output", out}, {"grad src", rx.grad()}};
+  auto ref_params = ref->named_parameters();
+  for (const auto& p : ours->named_parameters()) {
+    const auto* r = ref_params.find(p.key());
+    parts.push_back({"grad " + p.key(), r ? r->grad() : torch::Tensor()});
+  }
+  return parts;
+}
+
+/// run_case for an encoder-layer case.
+CaseResult run_encoder_case(const Case& c, const torch::Device& device,
+                            uint64_t seed) {
+  TORCH_CHECK(!c.kdim && !c.vdim && !c.add_bias_kv && !c.add_zero_attn,
+              "parity case ", c.name,
+              ": an encoder layer has no kdim, vdim, add_bias_kv or "
+              "add_zero_attn");
+  TORCH_CHECK(!c.unbatched || c.batch == 1, "parity case ", c.name,
+              ": unbatched needs batch = 1, but got ", c.batch);
+  const int64_t E = c.embed_dim;
+  const int64_t H = c.num_heads;
+  const int64_t N = c.batch;
+  const int64_t L = c.tgt_len;
+  const auto dtype = c.dtype;
+  torch::manual_seed(seed);
+
+  CaseResult result;
+  result.name = c.name;
+  result.tolerance = tolerance_for(dtype);
+  result.compared = "out+grads";
+
+  auto options = TransformerEncoderLayerOptions(E, H)
+                     .dim_feedforward(c.dim_feedforward)
+                     .dropout(0.0)
+                     .layer_norm_eps(c.layer_norm_eps)
+                     .batch_first(c.batch_first)
+                     .norm_first(c.norm_first)
+                     .bias(c.bias);
+  if (c.gelu) {
+    options.activation(torch::kGELU);
+  }
+  TransformerEncoderLayer ours(options);
+  {
+    // Biases away from 0 and norm weights away from 1, so that a misplaced
+    // one cannot hide.
+    torch::NoGradGuard no_grad;
+    for (auto& p : ours->named_parameters()) {
+      const bool norm = p.key().rfind("norm", 0) == 0;
+      if (p.key().find("bias") != std::string::npos) {
+        p.value().uniform_(-0.5, 0.5);
+      } else if (norm) {
+        p.value().uniform_(0.5, 1.5);
+      }
+    }
+  }
+  ours->to(device, dtype);
+  ours->eval();
+  auto pristine =
+      std::dynamic_pointer_cast<TransformerEncoderLayerImpl>(ours->clone());
+  if (c.tamper) {
+    torch::NoGradGuard no_grad;
+    c.tamper(*ours->self_attn);
+  }
+
+  auto on = torch::TensorOptions().dtype(dtype).device(device);
+  Inputs in;
+  in.query = in.key = in.value = torch::randn({N, L, E}, on);
+  make_masks(c, N, H, L, L, dtype, device, in);
+  const bool fully_masked = has_fully_masked_row(c, in, N, H, L, L);
+  auto g_out = torch::randn({N, L, E}, on);
+
+  // --- mha ---
+  auto x = leaf(in.query, dtype);
+  auto kpm = in.key_padding_mask;
+  if (kpm.defined() && c.unbatched) {
+    kpm = kpm.squeeze(0);
+  }
+  auto out = from_case_layout(
+      c, ours->forward(to_case_layout(c, x), in.attn_mask, kpm, c.is_causal));
+  (out * g_out).sum().backward();
+
+  // --- float64 reference ---
+  std::map<std::string, torch::Tensor> params64;
+  for (const auto& p : pristine->named_parameters()) {
+    params64[p.key()] = leaf(p.value(), torch::kFloat64);
+  }
+  Inputs in64 = in;
+  in64.query = in64.key = in64.value = leaf(in.query, torch::kFloat64);
+  auto out64 = reference_encoder_layer(options, c.gelu, params64, in64);
+  (out64 * g_out.to(torch::kFloat64)).sum().backward();
+
+  Parts mine_parts = {{"output", out}, {"grad src", x.grad()}};
+  Parts f64_parts = {{"output", out64}, {"grad src", in64.query.grad()}};
+  for (const auto& p : ours->named_parameters()) {
+    mine_parts.push_back({"grad " + p.key(), p.value().grad()});
+    f64_parts.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
+  }
+
+  // --- torch::nn::TransformerEncoderLayer, where it has the options ---
+  std::string lacks;
+  if (c.norm_first) {
+    lacks = "norm_first";
+  } else if (!c.bias) {
+    lacks = "bias=false";
+  } else if (c.layer_norm_eps != 1e-5) {
+    lacks = "layer_norm_eps";
+  }
+  Parts nn_parts;
+  std::string nn_threw, ref_diff;
+  if (lacks.empty()) {
+    ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
+    try {
+      nn_parts = run_torch_nn_encoder(c, pristine, in, g_out, result.note);
+    } catch (const c10::Error& e) {
+      nn_threw = e.what_without_backtrace();
+      nn_threw = nn_threw.substr(0, std::min<size_t>(nn_threw.find('\n'), 60));
+      result.torch_nn.used = true;
+      result.torch_nn.within = false;
+    }
+  }
+  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
+  if (!lacks.empty()) {
+    result.note = "float64 only: torch::nn's layer has no " + lacks;
+  }
+  return result;
+}
+
 }  // namespace
 
 CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
+  if (c.encoder_layer) {
+    return run_encoder_case(c, device, seed);
+  }
   TORCH_CHECK(!c.unbatched || c.batch == 1, "parity case ", c.name,
               ": unbatched needs batch = 1, but got ", c.batch);
   const int64_t E = c.embed_dim;
@@ -445,7 +708,6 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   result.name = c.name;
   result.tolerance = tolerance_for(c.dtype);
   const auto dtype = c.dtype;
-  const auto tol = result.tolerance;
 
   auto options = MultiHeadAttentionOptions(E, H)
                      .bias(c.bias)
@@ -568,52 +830,7 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
     result.torch_nn.within = false;
   }
 
-  // Half types with a valid torch::nn: the bound comes from its own error.
-  const bool half_rule =
-      is_half(dtype) && !nn_parts.empty() && ref_diff.empty();
-  for (size_t i = 0; i < mine_parts.size(); ++i) {
-    const auto& [what, mine_t] = mine_parts[i];
-    const auto& f64_t = f64_parts[i].second;
-    Tolerance part_tol = tol;
-    if (half_rule) {
-      // flash-attention's rule: our error against float64 at most twice
-      // LibTorch's own, plus one rounding step of the dtype at this scale.
-      part_tol = {2.0 * max_abs_diff(nn_parts[i].second, f64_t) +
-                      dtype_epsilon(dtype) * max_abs(f64_t),
-                  0.0};
-    }
-    add(result.float64, compare(what, mine_t, f64_t, part_tol));
-    if (!nn_parts.empty()) {
-      auto vs_nn = compare(what, mine_t, nn_parts[i].second, tol);
-      if (half_rule) {
-        vs_nn.within = true;  // informative: the bound is against float64
-      }
-      add(result.torch_nn, vs_nn);
-    }
-  }
-  if (half_rule) {
-    result.note = "bound: 2x torch::nn's error vs float64 + dtype rounding";
-  }
-
-  if (!ref_diff.empty()) {
-    if (result.torch_nn.within) {
-      // The known difference did not show: say so, and hold mha to both.
-      result.note =
-          "expected a difference (" + ref_diff + ") but torch::nn agrees";
-      result.status = result.float64.within ? Status::kPass : Status::kFail;
-    } else {
-      result.note =
-          ref_diff + (nn_threw.empty() ? "" : " [threw: " + nn_threw + "]");
-      result.status = result.float64.within ? Status::kRefDiff : Status::kFail;
-    }
-  } else if (!nn_threw.empty()) {
-    result.note = "torch::nn threw: " + nn_threw;
-    result.status = Status::kFail;
-  } else {
-    result.status = result.torch_nn.within && result.float64.within
-                        ? Status::kPass
-                        : Status::kFail;
-  }
+  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
   return result;
 }
 
@@ -693,6 +910,38 @@ std::vector<Case> default_cases() {
     c.fully_masked_row = true;
     c.attn_mask = MaskKind::kFloat;
     c.need_weights = false;
+  });
+  add_case("encoder-relu", [](Case& c) { c.encoder_layer = true; });
+  add_case("encoder-gelu+padding", [](Case& c) {
+    c.encoder_layer = true;
+    c.gelu = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("encoder-seq-first+src_mask", [](Case& c) {
+    c.encoder_layer = true;
+    c.batch_first = false;
+    c.attn_mask = MaskKind::kFloat;
+  });
+  add_case("encoder-causal+padding", [](Case& c) {
+    c.encoder_layer = true;
+    c.is_causal = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("encoder-fully-masked", [](Case& c) {
+    c.encoder_layer = true;
+    c.fully_masked_row = true;
+  });
+  add_case("encoder-norm_first-gelu+padding", [](Case& c) {
+    c.encoder_layer = true;
+    c.norm_first = true;
+    c.gelu = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("encoder-bias-off-eps1e-3+causal", [](Case& c) {
+    c.encoder_layer = true;
+    c.bias = false;
+    c.layer_norm_eps = 1e-3;
+    c.is_causal = true;
   });
   return cases;
 }

@@ -20,8 +20,9 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
   auto cases = mha::parity::default_cases();
   ASSERT_GE(cases.size(), 30u);
   std::set<std::string> names;
-  int ref_diffs = 0;
+  int ref_diffs = 0, encoder_rows = 0;
   for (const auto& c : cases) {
+    encoder_rows += c.encoder_layer ? 1 : 0;
     EXPECT_TRUE(names.insert(c.name).second) << "duplicate " << c.name;
     auto r = mha::parity::run_case(c, torch::kCPU, 0);
     EXPECT_NE(r.status, Status::kFail) << c.name << ": " << r.note;
@@ -32,11 +33,36 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
       // torch::nn ran too, and really differs (or threw) on this row.
       EXPECT_TRUE(r.torch_nn.used) << c.name;
       EXPECT_FALSE(r.torch_nn.within) << c.name;
+    } else if (r.note.rfind("float64 only", 0) == 0) {
+      // Options torch::nn's encoder layer lacks (norm_first, bias=false).
+      EXPECT_TRUE(c.encoder_layer) << c.name;
+      EXPECT_FALSE(r.torch_nn.used) << c.name;
     } else {
       EXPECT_TRUE(r.torch_nn.used) << c.name;
     }
   }
   EXPECT_GT(ref_diffs, 0);
+  EXPECT_GE(encoder_rows, 10);
+}
+
+TEST_F(ParityTest, PlantedFaultInEncoderLayerFails) {
+  Case c;
+  c.name = "planted-encoder";
+  c.encoder_layer = true;
+  c.key_padding_mask = MaskKind::kBool;
+  EXPECT_EQ(mha::parity::run_case(c, torch::kCPU, 0).status, Status::kPass);
+  c.tamper = [](mha::MultiHeadAttentionImpl& m) {
+    m.in_proj_weight[1][0].add_(1e-2);
+  };
+  auto r = mha::parity::run_case(c, torch::kCPU, 0);
+  EXPECT_EQ(r.status, Status::kFail);
+  EXPECT_FALSE(r.torch_nn.within);
+  EXPECT_FALSE(r.float64.within);
+  // A row checked against float64 alone catches it too.
+  c.norm_first = true;
+  EXPECT_EQ(mha::parity::run_case(c, torch::kCPU, 0).status, Status::kFail);
+  c.tamper = nullptr;
+  EXPECT_EQ(mha::parity::run_case(c, torch::kCPU, 0).status, Status::kPass);
 }
 
 TEST_F(ParityTest, PlantedWeightFaultFails) {

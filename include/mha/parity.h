@@ -1,6 +1,10 @@
 // Parity checking: proves that mha::MultiHeadAttention computes what
 // torch::nn::MultiheadAttention computes (outputs, weights and gradients),
-// and what an independent float64 implementation of the formula computes.
+// and what an independent float64 implementation of the formula computes;
+// likewise mha::TransformerEncoderLayer against
+// torch::nn::TransformerEncoderLayer (post-norm, seq-first, eps 1e-5, with
+// biases: the options LibTorch's layer has; rows with other options are
+// checked against the float64 reference alone).
 //
 // Where LibTorch's module is known to be wrong or to refuse an input (a bool
 // attn_mask is added as 0/1; a 3-D attn_mask fails; kdim != vdim fails an
@@ -18,6 +22,7 @@
 #include <vector>
 
 #include "mha/multi_head_attention.h"
+#include "mha/transformer.h"
 
 namespace mha::parity {
 
@@ -27,14 +32,23 @@ enum class MaskKind { kNone, kBool, kFloat };
 /// One configuration to check. Lengths and sizes are in elements.
 struct Case {
   std::string name;
-  int64_t batch = 2;            ///< N
-  int64_t tgt_len = 5;          ///< L
-  int64_t src_len = 7;          ///< S (ignored for self-attention: S = L)
-  int64_t embed_dim = 8;        ///< E
-  int64_t num_heads = 2;        ///< H
-  c10::optional<int64_t> kdim;  ///< default embed_dim
-  c10::optional<int64_t> vdim;  ///< default embed_dim
-  bool self_attention = false;  ///< key and value left undefined
+  /// Checks a TransformerEncoderLayer (self-attention over the query; the
+  /// attention fields below apply to its self_attn, attn_mask is src_mask,
+  /// key_padding_mask is src_key_padding_mask) instead of a
+  /// MultiHeadAttention.
+  bool encoder_layer = false;
+  int64_t dim_feedforward = 16;  ///< encoder layer only
+  bool gelu = false;             ///< encoder layer only: gelu, else relu
+  bool norm_first = false;       ///< encoder layer only
+  double layer_norm_eps = 1e-5;  ///< encoder layer only
+  int64_t batch = 2;             ///< N
+  int64_t tgt_len = 5;           ///< L
+  int64_t src_len = 7;           ///< S (ignored for self-attention: S = L)
+  int64_t embed_dim = 8;         ///< E
+  int64_t num_heads = 2;         ///< H
+  c10::optional<int64_t> kdim;   ///< default embed_dim
+  c10::optional<int64_t> vdim;   ///< default embed_dim
+  bool self_attention = false;   ///< key and value left undefined
   bool bias = true;
   bool add_bias_kv = false;
   bool add_zero_attn = false;
@@ -50,8 +64,9 @@ struct Case {
   bool need_weights = true;
   bool average_attn_weights = true;
   torch::ScalarType dtype = torch::kFloat32;
-  /// Called on the mha module after both references took its weights and
-  /// before it runs: lets a test plant a fault that the check must catch.
+  /// Called on the mha attention module (an encoder layer's self_attn) after
+  /// both references took its weights and before it runs: lets a test plant
+  /// a fault that the check must catch.
   std::function<void(MultiHeadAttentionImpl&)> tamper;
 };
 
@@ -92,7 +107,8 @@ struct CaseResult {
   std::string name;
   Status status = Status::kFail;
   Tolerance tolerance;
-  ReferenceResult torch_nn;  ///< mha vs torch::nn::MultiheadAttention
+  ReferenceResult torch_nn;  ///< mha vs torch::nn's module (if it has the
+                             ///< case's options)
   ReferenceResult float64;   ///< mha vs the float64 reference
   std::string compared;      ///< e.g. "out+w+grads"
   std::string note;          ///< why REF-DIFF / FAIL, or how inputs were passed
@@ -126,6 +142,15 @@ struct Inputs {
 /// Returns (output (N, L, E), weights per head (N, H, L, S')).
 std::tuple<torch::Tensor, torch::Tensor> reference_attention(
     const MultiHeadAttentionOptions& options,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& inputs);
+
+/// Independent float64 encoder layer from basic ops: layer norm written
+/// out, reference_attention for self_attn (query = key = value =
+/// inputs.query), relu or exact gelu. `params` by PyTorch name
+/// (self_attn.in_proj_weight, linear1.weight, norm1.weight, ...).
+/// Returns the output (N, L, E).
+torch::Tensor reference_encoder_layer(
+    const TransformerEncoderLayerOptions& options, bool gelu,
     const std::map<std::string, torch::Tensor>& params, const Inputs& inputs);
 
 }  // namespace mha::parity
