@@ -2,8 +2,11 @@
 // feature size, Ev value feature size, "..." any leading (batch, head) dims.
 #include "mha/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "attention_core.h"
 #include "mha/detail/compat.h"
@@ -12,12 +15,31 @@
 namespace mha {
 namespace detail {
 
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+/// Weights (..., L, S) in the requested form.
+torch::Tensor shape_weights(const torch::Tensor& weights, WeightsMode mode) {
+  switch (mode) {
+    case WeightsMode::kNone:
+      return torch::Tensor();
+    case WeightsMode::kPerHead:
+      return weights;
+    case WeightsMode::kAverage:
+      return weights.mean(/*dim=*/1);  // (N, H, L, S) → (N, L, S)
+  }
+  return torch::Tensor();
+}
+
+}  // namespace
+
 AttentionResult explicit_attention(const torch::Tensor& query,
                                    const torch::Tensor& key,
                                    const torch::Tensor& value,
                                    const torch::Tensor& mask_in, bool is_causal,
                                    double dropout_p, double scale,
-                                   bool need_weights) {
+                                   WeightsMode weights_mode) {
   const auto dtype = query.scalar_type();
   auto mask = mask_in;
   if (is_causal) {
@@ -29,11 +51,10 @@ AttentionResult explicit_attention(const torch::Tensor& query,
   auto scores = torch::matmul(query * scale, key.transpose(-2, -1));
   torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
   if (mask.defined()) {
-    const double neg_inf = -std::numeric_limits<double>::infinity();
-    auto blocked = mask.eq(neg_inf);  // broadcastable to (..., L, S)
+    auto blocked = mask.eq(kNegInf);  // broadcastable to (..., L, S)
     // Adding -inf to a score that overflowed to +inf would give NaN: blocked
     // positions are set to -inf, not added to.
-    scores.add_(mask).masked_fill_(blocked, neg_inf);  // (..., L, S)
+    scores.add_(mask).masked_fill_(blocked, kNegInf);  // (..., L, S)
     auto rows = blocked.all(/*dim=*/-1, /*keepdim=*/true);
     // On CPU, asking whether any row is fully masked is cheap and saves two
     // passes over the scores; on an accelerator it would stall the stream.
@@ -56,7 +77,312 @@ AttentionResult explicit_attention(const torch::Tensor& query,
     weights = torch::dropout(weights, dropout_p, /*train=*/true);
   }
   auto output = torch::matmul(weights, value);  // (..., L, S)·(..., S, Ev)
-  return {output, need_weights ? weights : torch::Tensor()};
+  return {output, shape_weights(weights, weights_mode)};
+}
+
+// ------------------------------------------------------- blocked attention ---
+// Glossary here: N batch, H heads (the two leading dims of 4-D inputs), D and
+// Dv the query/key and value features, B the query rows of one block.
+
+namespace {
+
+/// What every block of one call shares.
+struct BlockedSpec {
+  torch::Tensor mask;     // additive, 4-D broadcastable to (N, H, L, S), or {}
+  torch::Tensor blocked;  // mask == -inf, same shape, or {}
+  torch::Tensor causal;   // bool (B, B), triu(1), when is_causal
+  bool is_causal = false;
+  double scale = 1.0;
+  WeightsMode weights = WeightsMode::kNone;
+  int64_t block_rows = 0;
+};
+
+/// The (n, h) slice of a tensor broadcastable to (N, H, ...).
+torch::Tensor select_nh(const torch::Tensor& t, int64_t n, int64_t h) {
+  return t.select(0, t.size(0) == 1 ? 0 : n).select(0, t.size(1) == 1 ? 0 : h);
+}
+
+/// Rows [row0, row0 + rows) and columns [0, cols) of a mask slice that may
+/// broadcast in either dim.
+torch::Tensor mask_block(const torch::Tensor& m, int64_t row0, int64_t rows,
+                         int64_t cols) {
+  auto r = m.size(0) == 1 ? m : m.narrow(0, row0, rows);
+  return r.size(1) == 1 ? r : r.narrow(1, 0, cols);
+}
+
+/// Keys visible to query rows [row0, row0 + rows): all S, or up to the last
+/// row's diagonal when causal (top-left).
+int64_t visible_keys(const BlockedSpec& spec, int64_t row0, int64_t rows,
+                     int64_t S) {
+  return spec.is_causal ? std::min(row0 + rows, S) : S;
+}
+
+/// Writes into `p` (rows, cols) the attention weights of query rows
+/// [row0, row0 + rows) of one head over keys [0, cols): scaled scores, mask,
+/// causal block, softmax, all in place; fully masked rows become 0.
+void block_weights(torch::Tensor& p, const torch::Tensor& q,
+                   const torch::Tensor& k, const torch::Tensor& mask,
+                   const torch::Tensor& blocked, const BlockedSpec& spec,
+                   int64_t row0, int64_t rows, int64_t cols) {
+  // p = scale · q[rows] · k[cols]ᵀ (beta = 0: p's old contents are ignored)
+  at::addmm_out(p, p, q.narrow(0, row0, rows), k.narrow(0, 0, cols).t(),
+                /*beta=*/0, /*alpha=*/spec.scale);
+  if (mask.defined()) {
+    p.add_(mask_block(mask, row0, rows, cols));
+    p.masked_fill_(mask_block(blocked, row0, rows, cols), kNegInf);
+  }
+  if (spec.is_causal && cols > row0 + 1) {
+    // Row r (query row0 + r) blocks keys j > row0 + r: in columns
+    // [row0, cols), the strict upper triangle.
+    const auto width = cols - row0;
+    p.narrow(1, row0, width)
+        .masked_fill_(spec.causal.narrow(0, 0, rows).narrow(1, 0, width),
+                      kNegInf);
+  }
+  at::_softmax_out(p, p, /*dim=*/1, /*half_to_float=*/false);
+  if (mask.defined()) {
+    // A fully masked row is softmax(-inf, ..., -inf) = NaN (and only such a
+    // row, for finite inputs): it attends to nothing.
+    auto empty_rows = p.select(1, 0).isnan();  // (rows)
+    if (empty_rows.any().item<bool>()) {
+      p.masked_fill_(empty_rows.unsqueeze(1), 0.0);
+    }
+  }
+}
+
+/// Forward of blocked attention on 4-D inputs: output (N, H, L, Dv) (a view
+/// of an (N, L, H, Dv) buffer, so merging heads is free) and weights as
+/// spec.weights.
+std::pair<torch::Tensor, torch::Tensor> blocked_forward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const BlockedSpec& spec) {
+  const auto N = q.size(0), H = q.size(1), L = q.size(2);
+  const auto S = k.size(2), Dv = v.size(3);
+  const auto B = spec.block_rows;
+  auto out = at::empty({N, L, H, Dv}, q.options());
+  torch::Tensor weights;
+  if (spec.weights == WeightsMode::kPerHead) {
+    weights = at::zeros({N, H, L, S}, q.options());
+  } else if (spec.weights == WeightsMode::kAverage) {
+    weights = at::zeros({N, L, S}, q.options());
+  }
+  auto p_buffer = at::empty({B * S}, q.options());
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t h = 0; h < H; ++h) {
+      const auto q_nh = q[n][h], k_nh = k[n][h], v_nh = v[n][h];  // (T, D)
+      const auto mask =
+          spec.mask.defined() ? select_nh(spec.mask, n, h) : torch::Tensor();
+      const auto blocked =
+          spec.mask.defined() ? select_nh(spec.blocked, n, h) : torch::Tensor();
+      auto out_nh = out.select(0, n).select(1, h);  // (L, Dv), strided rows
+      for (int64_t row0 = 0; row0 < L; row0 += B) {
+        const auto rows = std::min(B, L - row0);
+        const auto cols = visible_keys(spec, row0, rows, S);
+        auto p = p_buffer.narrow(0, 0, rows * cols).view({rows, cols});
+        block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
+        auto out_rows = out_nh.narrow(0, row0, rows);
+        at::mm_out(out_rows, p, v_nh.narrow(0, 0, cols));
+        if (spec.weights == WeightsMode::kPerHead) {
+          weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols).copy_(p);
+        } else if (spec.weights == WeightsMode::kAverage) {
+          weights[n]
+              .narrow(0, row0, rows)
+              .narrow(1, 0, cols)
+              .add_(p, 1.0 / static_cast<double>(H));
+        }
+      }
+    }
+  }
+  return {out.permute({0, 2, 1, 3}), weights};
+}
+
+/// Backward of blocked_forward: gradients of q, k, v from the gradient of
+/// the output (N, H, L, Dv) and, if defined, of the weights. Each block's
+/// weights are recomputed; then dV += Pᵀ·dO, dP = dO·Vᵀ (+ dW),
+/// dS = softmax'(P, dP), dQ = scale·dS·K, dK += scale·dSᵀ·Q.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const BlockedSpec& spec, const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights) {
+  const auto N = q.size(0), H = q.size(1), L = q.size(2);
+  const auto S = k.size(2);
+  const auto B = spec.block_rows;
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::zeros(k.sizes(), k.options());
+  auto dv = at::zeros(v.sizes(), v.options());
+  auto p_buffer = at::empty({B * S}, q.options());
+  auto dp_buffer = at::empty({B * S}, q.options());
+  auto ds_buffer = at::empty({B * S}, q.options());
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t h = 0; h < H; ++h) {
+      const auto q_nh = q[n][h], k_nh = k[n][h], v_nh = v[n][h];
+      const auto mask =
+          spec.mask.defined() ? select_nh(spec.mask, n, h) : torch::Tensor();
+      const auto blocked =
+          spec.mask.defined() ? select_nh(spec.blocked, n, h) : torch::Tensor();
+      const auto go_nh = grad_out[n][h];  // (L, Dv)
+      auto dq_nh = dq[n][h], dk_nh = dk[n][h], dv_nh = dv[n][h];
+      for (int64_t row0 = 0; row0 < L; row0 += B) {
+        const auto rows = std::min(B, L - row0);
+        const auto cols = visible_keys(spec, row0, rows, S);
+        auto p = p_buffer.narrow(0, 0, rows * cols).view({rows, cols});
+        auto dp = dp_buffer.narrow(0, 0, rows * cols).view({rows, cols});
+        auto ds = ds_buffer.narrow(0, 0, rows * cols).view({rows, cols});
+        block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
+        const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
+        auto dv_cols = dv_nh.narrow(0, 0, cols);
+        dv_cols.addmm_(p.t(), go);
+        at::mm_out(dp, go, v_nh.narrow(0, 0, cols).t());
+        if (grad_weights.defined()) {
+          if (spec.weights == WeightsMode::kPerHead) {
+            dp.add_(
+                grad_weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols));
+          } else {
+            dp.add_(grad_weights[n].narrow(0, row0, rows).narrow(1, 0, cols),
+                    1.0 / static_cast<double>(H));
+          }
+        }
+        at::_softmax_backward_data_out(ds, dp, p, /*dim=*/1, q.scalar_type());
+        auto dq_rows = dq_nh.narrow(0, row0, rows);
+        at::addmm_out(dq_rows, dq_rows, ds, k_nh.narrow(0, 0, cols),
+                      /*beta=*/0, /*alpha=*/spec.scale);
+        auto dk_cols = dk_nh.narrow(0, 0, cols);
+        dk_cols.addmm_(ds.t(), q_nh.narrow(0, row0, rows), /*beta=*/1,
+                       /*alpha=*/spec.scale);
+      }
+    }
+  }
+  return {dq, dk, dv};
+}
+
+/// Autograd wrapper: saves the inputs, not the weights.
+class BlockedAttentionFunction
+    : public torch::autograd::Function<BlockedAttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
+      const torch::Tensor& k, const torch::Tensor& v, const BlockedSpec& spec) {
+    ctx->save_for_backward({q, k, v});
+    save_spec(ctx, spec);
+    auto [out, weights] = blocked_forward(q, k, v, spec);
+    if (!weights.defined()) {
+      return {out};
+    }
+    return {out, weights};
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& q = saved[0];
+    const auto& v = saved[2];
+    auto grad_out =
+        grads[0].defined()
+            ? grads[0]
+            : at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)},
+                        q.options());
+    const auto grad_weights = grads.size() > 1 ? grads[1] : torch::Tensor();
+    auto [dq, dk, dv] = blocked_backward(q, saved[1], v, load_spec(ctx),
+                                         grad_out, grad_weights);
+    return {dq, dk, dv, torch::Tensor()};
+  }
+
+ private:
+  // The spec rides along in the context's saved_data (IValues). Its masks
+  // need no gradient, so they are kept there rather than saved as variables.
+  static void save_spec(torch::autograd::AutogradContext* ctx,
+                        const BlockedSpec& spec) {
+    auto& data = ctx->saved_data;
+    auto tensor_or_none = [](const torch::Tensor& t) {
+      return t.defined() ? c10::IValue(t) : c10::IValue();
+    };
+    data["mask"] = tensor_or_none(spec.mask);
+    data["blocked"] = tensor_or_none(spec.blocked);
+    data["causal"] = tensor_or_none(spec.causal);
+    data["is_causal"] = spec.is_causal;
+    data["scale"] = spec.scale;
+    data["weights"] = static_cast<int64_t>(spec.weights);
+    data["block_rows"] = spec.block_rows;
+  }
+
+  static BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
+    const auto& data = ctx->saved_data;
+    auto tensor_of = [&](const char* name) {
+      const auto& value = data.at(name);
+      return value.isNone() ? torch::Tensor() : value.toTensor();
+    };
+    BlockedSpec spec;
+    spec.mask = tensor_of("mask");
+    spec.blocked = tensor_of("blocked");
+    spec.causal = tensor_of("causal");
+    spec.is_causal = data.at("is_causal").toBool();
+    spec.scale = data.at("scale").toDouble();
+    spec.weights = static_cast<WeightsMode>(data.at("weights").toInt());
+    spec.block_rows = data.at("block_rows").toInt();
+    return spec;
+  }
+};
+
+}  // namespace
+bool blocked_attention_applies(const torch::Tensor& query,
+                               const torch::Tensor& key,
+                               const torch::Tensor& mask, double dropout_p) {
+  const auto dtype = query.scalar_type();
+  return query.device().is_cpu() &&
+         (dtype == torch::kFloat32 || dtype == torch::kFloat64) &&
+         dropout_p == 0.0 && query.dim() >= 2 && query.dim() <= 4 &&
+         query.size(-2) > 0 && key.size(-2) > 0 &&
+         (!mask.defined() || !mask.requires_grad());
+}
+
+AttentionResult blocked_attention(const torch::Tensor& query,
+                                  const torch::Tensor& key,
+                                  const torch::Tensor& value,
+                                  const torch::Tensor& mask, bool is_causal,
+                                  double scale, WeightsMode weights,
+                                  int64_t block_rows) {
+  // Everything as 4-D (N, H, T, features); fewer dims become leading 1s.
+  auto to_4d = [](const torch::Tensor& t) {
+    auto r = t;
+    while (r.defined() && r.dim() < 4) {
+      r = r.unsqueeze(0);
+    }
+    return r;
+  };
+  const auto L = query.size(-2);
+  const auto S = key.size(-2);
+  BlockedSpec spec;
+  spec.mask = to_4d(mask);
+  if (mask.defined()) {
+    spec.blocked = spec.mask.eq(kNegInf);
+  }
+  spec.is_causal = is_causal;
+  spec.scale = scale;
+  spec.weights = weights;
+  // About 512 KiB of float scores per block: big enough for efficient
+  // GEMMs, small enough to stay in cache.
+  constexpr int64_t kBlockElements = int64_t{1} << 17;
+  spec.block_rows =
+      block_rows > 0 ? std::min(block_rows, L)
+                     : std::min(L, std::max<int64_t>(16, kBlockElements / S));
+  if (is_causal) {
+    spec.causal = torch::ones({spec.block_rows, spec.block_rows},
+                              torch::TensorOptions().dtype(torch::kBool))
+                      .triu(/*diagonal=*/1);
+  }
+  auto outputs = BlockedAttentionFunction::apply(to_4d(query), to_4d(key),
+                                                 to_4d(value), spec);
+  auto output = outputs[0];
+  auto weights_out = outputs.size() > 1 ? outputs[1] : torch::Tensor();
+  // Back to the input's rank.
+  for (auto d = query.dim(); d < 4; ++d) {
+    output = output.squeeze(0);
+    if (weights_out.defined()) {
+      weights_out = weights_out.squeeze(0);
+    }
+  }
+  return {output, weights_out};
 }
 
 AttentionResult attention_core(const torch::Tensor& query,
@@ -64,9 +390,9 @@ AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& value,
                                const torch::Tensor& mask, bool is_causal,
                                double dropout_p, double scale,
-                               bool need_weights) {
+                               WeightsMode weights) {
 #if MHA_HAS_FUSED_SDPA
-  if (!need_weights) {
+  if (weights == WeightsMode::kNone) {
     // LibTorch refuses is_causal together with a mask: merge them then.
     const bool merge = is_causal && mask.defined();
     auto fused_mask =
@@ -79,8 +405,12 @@ AttentionResult attention_core(const torch::Tensor& query,
             torch::Tensor()};
   }
 #endif
+  if (blocked_attention_applies(query, key, mask, dropout_p)) {
+    return blocked_attention(query, key, value, mask, is_causal, scale,
+                             weights);
+  }
   return explicit_attention(query, key, value, mask, is_causal, dropout_p,
-                            scale, need_weights);
+                            scale, weights);
 }
 
 void check_broadcastable(const torch::Tensor& mask, const char* name,
@@ -173,8 +503,10 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
               scale_value);
   // One additive mask; merge_masks turns a bool mask into 0 / -inf.
   auto mask = merge_masks({attn_mask}, query.scalar_type());
-  auto result = detail::attention_core(query, key, value, mask, is_causal,
-                                       dropout_p, scale_value, need_weights);
+  auto result = detail::attention_core(
+      query, key, value, mask, is_causal, dropout_p, scale_value,
+      need_weights ? detail::WeightsMode::kPerHead
+                   : detail::WeightsMode::kNone);
   return {result.output, result.weights};
 }
 

@@ -4,38 +4,71 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
+
 namespace mha::detail {
+
+/// Which attention weights an attention step returns.
+enum class WeightsMode {
+  kNone,     ///< none (undefined tensor): the fastest path
+  kPerHead,  ///< (..., L, S), one map per leading index
+  kAverage,  ///< (N, L, S): the mean over dim 1 (heads) of 4-D inputs
+};
 
 /// The result of one attention step.
 struct AttentionResult {
   torch::Tensor output;   // (..., L, Ev)
-  torch::Tensor weights;  // (..., L, S) after dropout, or undefined
+  torch::Tensor weights;  // as WeightsMode, after dropout, or undefined
 };
 
 /// softmax(query · keyᵀ · scale + mask) · value with fully masked rows set to
 /// 0. `mask` is additive (0 / -inf / any float) of query's dtype,
 /// broadcastable to (..., L, S), or undefined; `is_causal` blocks key j for
 /// query i when j > i (top-left), on top of `mask`. Inputs are assumed
-/// checked.
+/// checked; kAverage needs 4-D (N, H, L, E) inputs.
 ///
-/// Two paths with the same results within the dtype's tolerance: without
-/// `need_weights`, LibTorch's fused kernel where it meets the semantics
-/// (see compat.h); otherwise the explicit softmax path, which accumulates the
-/// softmax of float16 / bfloat16 scores in float32.
+/// Three paths with the same results within the dtype's tolerance:
+/// - without weights, LibTorch's fused kernel where it meets the semantics
+///   (LibTorch >= 2.5, see compat.h);
+/// - on CPU in float32/float64 without dropout, blocked attention
+///   (blocked_attention below);
+/// - otherwise the explicit softmax path, which accumulates the softmax of
+///   float16 / bfloat16 scores in float32.
 AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& key,
                                const torch::Tensor& value,
                                const torch::Tensor& mask, bool is_causal,
                                double dropout_p, double scale,
-                               bool need_weights);
+                               WeightsMode weights);
 
-/// The explicit path of attention_core, whatever the LibTorch version.
+/// The explicit path: whole (..., L, S) score and weight tensors.
 AttentionResult explicit_attention(const torch::Tensor& query,
                                    const torch::Tensor& key,
                                    const torch::Tensor& value,
                                    const torch::Tensor& mask, bool is_causal,
                                    double dropout_p, double scale,
-                                   bool need_weights);
+                                   WeightsMode weights);
+
+/// True when blocked_attention handles these inputs: CPU, float32 or
+/// float64, no dropout, 2-D to 4-D inputs with L, S > 0, and a mask that
+/// needs no gradient.
+bool blocked_attention_applies(const torch::Tensor& query,
+                               const torch::Tensor& key,
+                               const torch::Tensor& mask, double dropout_p);
+
+/// Blocked attention: for each (batch, head), query rows in blocks of
+/// `block_rows` (0: chosen from S), scores of one block at a time in a
+/// reused buffer, scale folded into the GEMM, mask, causal block and softmax
+/// applied in place, keys right of the diagonal skipped when causal; the
+/// weights are recomputed block by block in backward (a custom autograd
+/// function) instead of being stored. Memory O(block_rows · S) besides the
+/// inputs and outputs. Same contract as attention_core, without dropout.
+AttentionResult blocked_attention(const torch::Tensor& query,
+                                  const torch::Tensor& key,
+                                  const torch::Tensor& value,
+                                  const torch::Tensor& mask, bool is_causal,
+                                  double scale, WeightsMode weights,
+                                  int64_t block_rows = 0);
 
 /// Checks that `mask` (already dtype/device checked) broadcasts to `target`
 /// without growing: at most as many dims, each size equal or 1.

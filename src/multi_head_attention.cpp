@@ -387,16 +387,16 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
 
   const double p_drop = is_training() ? options.dropout() : 0.0;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const auto weights_mode = !need_weights ? detail::WeightsMode::kNone
+                            : average_attn_weights
+                                ? detail::WeightsMode::kAverage
+                                : detail::WeightsMode::kPerHead;
   auto result = detail::attention_core(q, k, v, mask, is_causal && !extra_keys,
-                                       p_drop, scale, need_weights);
+                                       p_drop, scale, weights_mode);
   // (N, H, L, D) → (N, L, E) → out_proj
   auto output = out_proj->forward(merge_heads(result.output));  // (N, L, E)
-
-  torch::Tensor weights;
-  if (need_weights) {
-    weights = average_attn_weights ? result.weights.mean(1)  // (N, L, S')
-                                   : result.weights;         // (N, H, L, S')
-  }
+  // (N, L, S') averaged over heads, or (N, H, L, S'), or undefined
+  auto weights = result.weights;
   if (!in.batched) {
     output = output.squeeze(0);  // (L, E)
     if (weights.defined()) {

@@ -13,8 +13,10 @@
 #include <utility>
 #include <vector>
 
+#include "attention_core.h"
 #include "mha/attention.h"
 #include "mha/detail/compat.h"
+#include "mha/masks.h"
 #include "test_helpers.h"
 
 namespace {
@@ -842,5 +844,90 @@ TEST_F(ScaledDotProductAttentionTest, FusedPathTakes3DAnd2DInputs) {
                  "rank " + std::to_string(shape.size()));
     expect_close(fast.select(-2, 2), torch::zeros_like(fast.select(-2, 2)), 0.0,
                  0.0, "fully masked row");
+  }
+}
+
+// -------------------------------------------- blocked vs explicit path ---
+// The blocked core (CPU, float32/float64, no dropout) must equal the
+// explicit softmax path on the same inputs, forward and backward, whatever
+// the block size: block edges (L not a multiple of the block), L != S,
+// masks of every broadcast shape, causal, fully masked rows, weights per
+// head or averaged, and a loss that uses the weights too.
+
+TEST_F(ScaledDotProductAttentionTest, BlockedPathEqualsExplicitPath) {
+  using mha::detail::WeightsMode;
+  const int64_t N = 2, H = 3, E = 4;
+  for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    const double tol = dtype == torch::kFloat64 ? 1e-12 : 3e-6;
+    for (auto [L, S] : {std::pair<int64_t, int64_t>{7, 5}, {5, 7}, {9, 9}}) {
+      for (const auto& c : path_cases(N, H, L, S, dtype)) {
+        // The core takes additive masks: bool ones through merge_masks.
+        auto mask = mha::merge_masks({c.mask}, dtype);
+        for (auto mode : {WeightsMode::kNone, WeightsMode::kPerHead,
+                          WeightsMode::kAverage}) {
+          for (int64_t block : {1, 2, 3, 4, 16}) {
+            SCOPED_TRACE(
+                c.name + ", " + std::string(c10::toString(dtype)) +
+                ", L=" + std::to_string(L) + ", S=" + std::to_string(S) +
+                ", block=" + std::to_string(block) + ", weights mode " +
+                std::to_string(static_cast<int>(mode)));
+            auto opts = torch::TensorOptions().dtype(dtype);
+            auto q = torch::randn({N, H, L, E}, opts);
+            auto k = torch::randn({N, H, S, E}, opts);
+            auto v = torch::randn({N, H, S, E + 1}, opts);
+            auto g_out = torch::randn({N, H, L, E + 1}, opts);
+            auto g_w = mode == WeightsMode::kAverage
+                           ? torch::randn({N, L, S}, opts)
+                           : torch::randn({N, H, L, S}, opts);
+            std::vector<torch::Tensor> results;
+            for (bool blocked : {true, false}) {
+              auto qg = q.clone().requires_grad_();
+              auto kg = k.clone().requires_grad_();
+              auto vg = v.clone().requires_grad_();
+              auto r =
+                  blocked ? mha::detail::blocked_attention(
+                                qg, kg, vg, mask, c.is_causal, 0.5, mode, block)
+                          : mha::detail::explicit_attention(
+                                qg, kg, vg, mask, c.is_causal, 0.0, 0.5, mode);
+              ASSERT_EQ(r.weights.defined(), mode != WeightsMode::kNone);
+              auto loss = (r.output * g_out).sum();
+              if (r.weights.defined()) {
+                loss = loss + (r.weights * g_w).sum();
+              }
+              loss.backward();
+              results.insert(results.end(),
+                             {r.output.detach(),
+                              r.weights.defined() ? r.weights.detach()
+                                                  : torch::zeros({1}, opts),
+                              qg.grad(), kg.grad(), vg.grad()});
+            }
+            const char* names[] = {"output", "weights", "query grad",
+                                   "key grad", "value grad"};
+            for (int i = 0; i < 5; ++i) {
+              EXPECT_FALSE(torch::isnan(results[i]).any().item<bool>())
+                  << names[i] << " has NaN";
+              expect_close(results[i], results[i + 5], tol, tol, names[i]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(ScaledDotProductAttentionTest, BlockedPathUnderNoGradAndLowRanks) {
+  using mha::detail::WeightsMode;
+  // 2-D and 3-D inputs, and inference (no autograd graph at all).
+  torch::NoGradGuard no_grad;
+  for (auto shape :
+       {std::vector<int64_t>{6, 4}, std::vector<int64_t>{3, 6, 4}}) {
+    auto q = torch::randn(shape), k = torch::randn(shape),
+         v = torch::randn(shape);
+    auto blocked = mha::detail::blocked_attention(
+        q, k, v, torch::Tensor(), true, 0.5, WeightsMode::kPerHead, 4);
+    auto plain = mha::detail::explicit_attention(
+        q, k, v, torch::Tensor(), true, 0.0, 0.5, WeightsMode::kPerHead);
+    expect_close(blocked.output, plain.output, 2e-6, 2e-6, "output");
+    expect_close(blocked.weights, plain.weights, 2e-6, 2e-6, "weights");
   }
 }
