@@ -400,9 +400,16 @@ AttentionResult attention_core(const torch::Tensor& query,
                                                query.options())},
                             query.scalar_type())
               : mask;
-    return {fused_sdpa(query, key, value, fused_mask, dropout_p,
-                       is_causal && !merge, scale),
-            torch::Tensor()};
+    auto output = fused_sdpa(query, key, value, fused_mask, dropout_p,
+                             is_causal && !merge, scale);
+    // The fused kernel adds the mask to the scores, so a score that
+    // overflowed to +inf at a blocked key turns into NaN, where mha's
+    // semantics say a blocked key changes nothing. On CPU such a (rare)
+    // result is recomputed below; on an accelerator the check would stall
+    // the stream, so there the fused result stands.
+    if (!query.device().is_cpu() || !output.isnan().any().item<bool>()) {
+      return {output, torch::Tensor()};
+    }
   }
 #endif
   if (blocked_attention_applies(query, key, mask, dropout_p)) {

@@ -260,8 +260,14 @@ TEST_F(ScaledDotProductAttentionTest, IsCausalIsTopLeftAlignedForLNotS) {
   // Keys 3 and 4 are never attended: output ignores them entirely.
   auto v2 = v.clone();
   v2.narrow(1, 3, 2).fill_(1e6);
-  auto [out2, w2] = mha::scaled_dot_product_attention(q, k, v2, {}, 0.0, true);
+  auto [out2, w2] = mha::scaled_dot_product_attention(q, k, v2, {}, 0.0, true,
+                                                      c10::nullopt, true);
   EXPECT_TRUE(torch::equal(out2, out));
+  // The same without weights (the fused path where LibTorch has it).
+  auto [fast, no_w] = mha::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  auto [fast2, no_w2] =
+      mha::scaled_dot_product_attention(q, k, v2, {}, 0.0, true);
+  EXPECT_TRUE(torch::equal(fast2, fast));
 }
 
 TEST_F(ScaledDotProductAttentionTest, IsCausalWithAttnMaskIsUnion) {
