@@ -6,5 +6,6 @@
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"
 #include "mha/parity.h"
+#include "mha/plot.h"
 #include "mha/transformer.h"
 #include "mha/weights.h"
