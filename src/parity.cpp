@@ -831,6 +831,21 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   }
 
   judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
+  if (c.need_weights) {
+    // Batch element 0 as (panels, L, S').
+    auto first = [&](const torch::Tensor& w) {
+      if (!w.defined()) {
+        return w;
+      }
+      auto w0 = w.detach()[0].to(torch::kCPU, torch::kFloat64);
+      return c.average_attn_weights ? w0.unsqueeze(0) : w0;
+    };
+    result.weights = first(mine.weights);
+    result.float64_weights = first(w64);
+    if (nn_parts.size() > 1) {
+      result.torch_nn_weights = first(nn_parts[1].second);  // "weights"
+    }
+  }
   return result;
 }
 

@@ -153,7 +153,10 @@ std::string heatmap_svg(const torch::Tensor& weights,
   const auto grid_rows = (H + columns - 1) / columns;
   const int title_h = options.title.empty() ? 0 : 28;
   const int legend_h = 56;
-  const int width = std::max<int>(static_cast<int>(columns) * panel_w, 320);
+  // About 8 px per character of the 14 px title.
+  const int width =
+      std::max({static_cast<int>(columns) * panel_w, 330,
+                20 + 8 * static_cast<int>(options.title.size())});
   const int height = title_h + static_cast<int>(grid_rows) * panel_h + legend_h;
 
   std::ostringstream svg;

@@ -112,6 +112,12 @@ struct CaseResult {
   ReferenceResult float64;   ///< mha vs the float64 reference
   std::string compared;      ///< e.g. "out+w+grads"
   std::string note;          ///< why REF-DIFF / FAIL, or how inputs were passed
+  /// Attention weights of the first batch element, for pictures: (H, L, S')
+  /// per head or (1, L, S') averaged, float64 on the CPU; undefined when the
+  /// case has no weights (or that reference did not run or threw).
+  torch::Tensor weights;           ///< mha's
+  torch::Tensor torch_nn_weights;  ///< torch::nn's (may hold NaN)
+  torch::Tensor float64_weights;   ///< the float64 reference's
 };
 
 /// The default matrix: at least 30 named cases in float32 and float64.
