@@ -2,9 +2,11 @@
 // torch::nn::MultiheadAttention (and a float64 reference) on this machine.
 // Exit status: 0 all cases PASS or REF-DIFF, 1 some case FAILs, 2 bad usage.
 #include <fmt/core.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -15,6 +17,8 @@
 
 #include "mha/detail/compat.h"
 #include "mha/parity.h"
+#include "mha/plot.h"
+#include "tool_common.h"
 
 namespace {
 
@@ -43,25 +47,64 @@ std::string dtype_name(torch::ScalarType dtype) {
   return "?";
 }
 
-/// The shared library providing BLAS in this process (Debian's LibTorch calls
-/// the system BLAS chosen by update-alternatives), read from /proc/self/maps.
-std::string loaded_blas() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    auto slash = line.find('/');
-    if (slash == std::string::npos) {
-      continue;
-    }
-    auto path = line.substr(slash);
-    if (path.find("blas") != std::string::npos ||
-        path.find("mkl_core") != std::string::npos) {
-      std::error_code ec;
-      auto real = std::filesystem::canonical(path, ec);
-      return ec ? path : real.string();
-    }
+/// "self/f32" → "self_f32": a file name from a case name.
+std::string file_stem(const std::string& name) {
+  std::string stem = name;
+  for (auto& ch : stem) {
+    const bool ok = std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' ||
+                    ch == '+' || ch == '.' || ch == '=';
+    ch = ok ? ch : '_';
   }
-  return "none found (statically linked?)";
+  return stem;
+}
+
+bool has_nan(const torch::Tensor& t) {
+  return torch::isnan(t).any().item<bool>();
+}
+
+/// The attention weights of a case, in the terminal: mha's, the float64
+/// reference's and torch::nn's (where it ran and gave numbers).
+void print_weights(const CaseResult& r) {
+  if (!r.weights.defined()) {
+    fmt::print("\n{}: this case returns no weights (need_weights=false)\n",
+               r.name);
+    return;
+  }
+  const auto style = mha::plot::terminal_style_for(isatty(STDOUT_FILENO));
+  auto show_one = [&](const char* who, const torch::Tensor& w) {
+    if (!w.defined()) {
+      fmt::print("\n{}: not computed\n", who);
+    } else if (has_nan(w)) {
+      fmt::print("\n{}: weights contain NaN (fully masked rows)\n", who);
+    } else {
+      mha::plot::HeatmapOptions options;
+      options.title = fmt::format("{}, batch element 0, {}", r.name, who);
+      fmt::print("\n{}", mha::plot::heatmap_text(w, style, options));
+    }
+  };
+  show_one("mha", r.weights);
+  show_one("float64 reference", r.float64_weights);
+  show_one("torch::nn", r.torch_nn_weights);
+}
+
+/// DIR/<case>.svg with mha's weights; on REF-DIFF rows also
+/// DIR/<case>.torch_nn.svg with torch::nn's, where they are numbers.
+void plot_weights(const CaseResult& r, const std::string& dir) {
+  if (!r.weights.defined()) {
+    return;
+  }
+  const auto stem = (std::filesystem::path(dir) / file_stem(r.name)).string();
+  mha::plot::HeatmapOptions options;
+  options.title =
+      fmt::format("{} ({}), batch element 0: mha", r.name, to_string(r.status));
+  mha::plot::write_heatmap_svg(r.weights, stem + ".svg", options);
+  if (r.status == Status::kRefDiff && r.torch_nn_weights.defined() &&
+      !has_nan(r.torch_nn_weights)) {
+    options.title =
+        fmt::format("{} (REF-DIFF), batch element 0: torch::nn", r.name);
+    mha::plot::write_heatmap_svg(r.torch_nn_weights, stem + ".torch_nn.svg",
+                                 options);
+  }
 }
 
 std::string format_error(const mha::parity::ReferenceResult& r) {
@@ -116,6 +159,13 @@ int main(int argc, char** argv) {
   app.add_option("--filter", filter, "only cases whose name matches (regex)");
   app.add_option("--json", json_path, "write every row and the environment");
   app.add_flag("--list", list, "list the case names and exit");
+  std::string show, plot_dir;
+  app.add_option("--show", show,
+                 "run only this case (exact name, see --list) and print its "
+                 "attention weights in the terminal");
+  app.add_option("--plot", plot_dir,
+                 "write an SVG heatmap of the weights of every case that has "
+                 "them into this directory");
   bool plant_fault = false;  // for the tool's own tests: proves exit 1
   app.add_flag("--plant-fault", plant_fault,
                "corrupt one weight of mha's copy (a self-test: cases FAIL)")
@@ -272,6 +322,33 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (!show.empty()) {
+    std::vector<Case> kept;
+    std::vector<uint64_t> kept_seeds;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      if (cases[i].name == show) {
+        kept.push_back(cases[i]);
+        kept_seeds.push_back(seeds[i]);
+      }
+    }
+    if (kept.empty()) {
+      fmt::print(stderr, "mha-parity: --show {}: no such case (see --list)\n",
+                 show);
+      return 2;
+    }
+    cases = kept;
+    seeds = kept_seeds;
+  }
+  if (!plot_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(plot_dir, ec);
+    if (ec || !std::filesystem::is_directory(plot_dir)) {
+      fmt::print(stderr,
+                 "mha-parity: --plot {}: cannot create the directory ({})\n",
+                 plot_dir, ec ? ec.message() : "not a directory");
+      return 2;
+    }
+  }
   if (list) {
     for (const auto& c : cases) {
       fmt::print("{}\n", c.name);
@@ -289,7 +366,7 @@ int main(int argc, char** argv) {
     }
   }
   const torch::Device device(cuda ? torch::kCUDA : torch::kCPU);
-  const auto blas = loaded_blas();
+  const auto blas = mha::tools::loaded_blas();
   fmt::print(
       "mha-parity: LibTorch {}, device {}, {} intra-op thread(s), "
       "seed {}\nBLAS: {}\nattention without weights: {}\n",
@@ -348,6 +425,17 @@ int main(int argc, char** argv) {
                     {"note", r.note},
                     {"torch_nn", to_json(r.torch_nn)},
                     {"float64", to_json(r.float64)}});
+    try {
+      if (!show.empty()) {
+        print_weights(r);
+      }
+      if (!plot_dir.empty()) {
+        plot_weights(r, plot_dir);
+      }
+    } catch (const c10::Error& e) {
+      fmt::print(stderr, "mha-parity: {}\n", e.what_without_backtrace());
+      return 2;
+    }
   }
   fmt::print(
       "\n{} cases: {} PASS, {} REF-DIFF (known torch::nn difference, "

@@ -1,0 +1,139 @@
+# Checks mha-bench's documented exit codes (0 ok, 1 results differ, 2 bad
+# usage) and the --json report of a --quick run: the environment keys, one
+# row per configuration and mode, passed checks, the dense FLOP count, the
+# direction of the ratio, and peak memory by both methods.
+# Variables: TOOL (the mha-bench executable), WORK_DIR.
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+function(expect_exit code)
+  execute_process(COMMAND ${TOOL} ${ARGN} RESULT_VARIABLE rc
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL code)
+    message(FATAL_ERROR "mha-bench ${ARGN}: exit ${rc}, expected ${code}\n${out}${err}")
+  endif()
+  set(last_output "${out}${err}" PARENT_SCOPE)
+endfunction()
+
+expect_exit(2 --no-such-flag)
+expect_exit(2 --config 1,2,3)
+expect_exit(2 --config 2,16,30,4)  # E not divisible by H
+expect_exit(2 --mode no-such-mode)
+expect_exit(2 --warmup 0)
+expect_exit(0 --help)
+execute_process(COMMAND ${TOOL} --quick --device cuda RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 AND NOT rc EQUAL 0)
+  message(FATAL_ERROR "--device cuda: exit ${rc}; expected 2 without CUDA, 0 with")
+endif()
+if(rc EQUAL 2 AND NOT err MATCHES "CUDA is not available")
+  message(FATAL_ERROR "--device cuda without CUDA must say so, got: ${err}")
+endif()
+# A wrong result is reported and not timed.
+expect_exit(1 --quick --plant-fault --config 1,8,8,2 --mode fwd,encoder
+            --gemm-size 32)
+if(NOT last_output MATCHES "FAIL")
+  message(FATAL_ERROR "--plant-fault: expected FAIL rows, got:\n${last_output}")
+endif()
+
+# The quick run and its JSON.
+set(modes fwd fwd-weights causal fwd-bwd inference encoder)
+set(configs "2,16,32,4" "1,32,16,2")  # --quick's
+expect_exit(0 --quick --json ${WORK_DIR}/bench.json)
+file(READ ${WORK_DIR}/bench.json json)
+foreach(key cpu_model blas libtorch intra_op_threads omp_wait_policy
+            openblas_num_threads_env)
+  string(JSON value GET "${json}" environment ${key})
+  if(value STREQUAL "")
+    message(FATAL_ERROR "environment.${key} is empty")
+  endif()
+endforeach()
+string(JSON threads GET "${json}" environment intra_op_threads)
+string(JSON wait_policy GET "${json}" environment omp_wait_policy)
+string(JSON gemm GET "${json}" environment gemm gflops)
+if(NOT threads EQUAL 2)
+  message(FATAL_ERROR "intra_op_threads ${threads}, expected 2 (the default)")
+endif()
+if(NOT DEFINED ENV{OMP_WAIT_POLICY} AND NOT wait_policy STREQUAL "PASSIVE")
+  message(FATAL_ERROR "OMP_WAIT_POLICY ${wait_policy}, expected PASSIVE")
+endif()
+if(NOT gemm GREATER 0)
+  message(FATAL_ERROR "GEMM ceiling ${gemm} GFLOP/s")
+endif()
+
+list(LENGTH configs config_count)
+list(LENGTH modes mode_count)
+math(EXPR expected_rows "${config_count} * ${mode_count}")
+string(JSON row_count LENGTH "${json}" rows)
+if(NOT row_count EQUAL expected_rows)
+  message(FATAL_ERROR "${row_count} rows, expected ${expected_rows}")
+endif()
+set(i 0)
+foreach(config IN LISTS configs)
+  string(REPLACE "," ";" nleh "${config}")
+  list(GET nleh 0 N)
+  list(GET nleh 1 L)
+  list(GET nleh 2 E)
+  # Dense FLOPs: 8*N*L*E^2 + 4*N*L*S*E (S = L); encoder + 4*N*L*E*F, F = 4E;
+  # x3 with the backward pass.
+  math(EXPR forward "8 * ${N} * ${L} * ${E} * ${E} + 4 * ${N} * ${L} * ${L} * ${E}")
+  foreach(mode IN LISTS modes)
+    set(flops ${forward})
+    if(mode STREQUAL "fwd-bwd")
+      math(EXPR flops "3 * ${forward}")
+    elseif(mode STREQUAL "encoder")
+      math(EXPR flops "${forward} + 4 * ${N} * ${L} * ${E} * 4 * ${E}")
+    endif()
+    string(JSON got_mode GET "${json}" rows ${i} mode)
+    string(JSON got_flops GET "${json}" rows ${i} flops)
+    string(JSON got_l GET "${json}" rows ${i} config L)
+    string(JSON passed GET "${json}" rows ${i} check passed)
+    string(JSON reps GET "${json}" rows ${i} reps)
+    set(where "row ${i} (${config} ${mode})")
+    if(NOT got_mode STREQUAL mode OR NOT got_l EQUAL L)
+      message(FATAL_ERROR "${where}: got mode ${got_mode}, L ${got_l}")
+    endif()
+    if(NOT got_flops EQUAL flops)
+      message(FATAL_ERROR "${where}: flops ${got_flops}, expected ${flops}")
+    endif()
+    if(NOT passed OR NOT reps EQUAL 3)
+      message(FATAL_ERROR "${where}: check passed ${passed}, reps ${reps}")
+    endif()
+    foreach(who mha torch_nn)
+      string(JSON status GET "${json}" rows ${i} ${who} status)
+      string(JSON median_${who} GET "${json}" rows ${i} ${who} median_ms)
+      string(JSON samples LENGTH "${json}" rows ${i} ${who} samples_ms)
+      string(JSON peak GET "${json}" rows ${i} ${who} peak_mib)
+      if(NOT status STREQUAL "ok" OR NOT median_${who} GREATER 0
+         OR NOT samples EQUAL 3 OR peak STREQUAL "" OR peak STREQUAL "null")
+        message(FATAL_ERROR "${where}: ${who} status ${status}, median "
+                "${median_${who}}, ${samples} samples, peak ${peak}")
+      endif()
+    endforeach()
+    # ratio = mha / torch::nn: above 1 exactly when mha is slower.
+    string(JSON ratio GET "${json}" rows ${i} ratio)
+    if(median_mha GREATER median_torch_nn AND NOT ratio GREATER 1 OR
+       median_mha LESS median_torch_nn AND NOT ratio LESS 1)
+      message(FATAL_ERROR "${where}: ratio ${ratio} for mha ${median_mha} ms, "
+              "torch::nn ${median_torch_nn} ms")
+    endif()
+    math(EXPR i "${i} + 1")
+  endforeach()
+endforeach()
+string(JSON differ GET "${json}" summary results_differ)
+string(JSON exit_code GET "${json}" summary exit_code)
+if(NOT differ EQUAL 0 OR NOT exit_code EQUAL 0)
+  message(FATAL_ERROR "summary: results_differ ${differ}, exit_code ${exit_code}")
+endif()
+
+# Peak memory from a child process per measurement (the fallback).
+expect_exit(0 --quick --memory fork --config 1,32,16,2 --mode inference
+            --gemm-size 32 --json ${WORK_DIR}/fork.json)
+file(READ ${WORK_DIR}/fork.json json)
+string(JSON method GET "${json}" settings memory_method)
+string(JSON peak GET "${json}" rows 0 torch_nn peak_mib)
+if(NOT method STREQUAL "fork" OR NOT peak GREATER_EQUAL 0)
+  message(FATAL_ERROR "--memory fork: method ${method}, peak ${peak}")
+endif()
+message(STATUS "mha-bench: exit codes ok, ${row_count} rows in JSON, "
+        "GEMM ${gemm} GFLOP/s")

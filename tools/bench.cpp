@@ -1,0 +1,731 @@
+// Glossary: N batch, L sequence length (S = L), E embed_dim, H num_heads,
+// F dim_feedforward.
+#include "bench.h"
+
+#include <malloc.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <new>
+#include <sstream>
+#include <utility>
+
+#include "mha/mha.h"
+#include "mha/parity.h"
+
+namespace mha::bench {
+
+namespace {
+
+/// Named result tensors of one run: output, weights, gradients.
+using Named = std::vector<std::pair<std::string, torch::Tensor>>;
+using Run = std::function<Named()>;
+
+struct Contenders {
+  Run mha;
+  Run torch_nn;
+};
+
+struct ModeEntry {
+  Mode mode;
+  const char* name;
+  const char* description;
+};
+
+const ModeEntry kModes[] = {
+    {Mode::kForward, "fwd", "forward, need_weights=false, autograd on"},
+    {Mode::kForwardWeights, "fwd-weights",
+     "forward, need_weights=true (averaged over heads), autograd on"},
+    {Mode::kCausal, "causal",
+     "forward, need_weights=false; mha is_causal=true without a mask, "
+     "torch::nn a float (L, L) -inf mask"},
+    {Mode::kForwardBackward, "fwd-bwd",
+     "forward+backward of sum(out * fixed random), need_weights=false; grads "
+     "of input and parameters"},
+    {Mode::kInference, "inference",
+     "forward under NoGradGuard, need_weights=false"},
+    {Mode::kEncoder, "encoder",
+     "TransformerEncoderLayer (F=4E, relu, post-norm, seq-first) forward "
+     "under NoGradGuard"},
+};
+
+const ModeEntry& entry(Mode mode) {
+  for (const auto& e : kModes) {
+    if (e.mode == mode) {
+      return e;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown mode");
+}
+
+void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) {
+    torch::cuda::synchronize();
+  }
+}
+
+/// Milliseconds of one run, its results released inside the timed region.
+double time_once(const Run& run, const torch::Device& device) {
+  synchronize(device);
+  const auto start = std::chrono::steady_clock::now();
+  { auto results = run(); }
+  synchronize(device);
+  const auto stop = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::milli>(stop - start).count();
+}
+
+/// Clears the gradients of `module`'s parameters and of `input` (set to
+/// undefined, so no accumulation work or memory carries over between runs).
+void clear_grads(torch::nn::Module& module, torch::Tensor& input) {
+  for (auto& p : module.parameters()) {
+    p.mutable_grad() = torch::Tensor();
+  }
+  input.mutable_grad() = torch::Tensor();
+}
+
+/// The results of a forward+backward run: output, input and parameter grads.
+Named backward_results(const torch::nn::Module& module,
+                       const torch::Tensor& output,
+                       const torch::Tensor& input) {
+  Named results{{"output", output.detach()}, {"grad input", input.grad()}};
+  for (const auto& p : module.named_parameters()) {
+    if (p.value().grad().defined()) {
+      results.emplace_back("grad " + p.key(), p.value().grad());
+    }
+  }
+  return results;
+}
+
+/// Random biases (torch::nn initialises them to zero, which would hide a
+/// bias mix-up from the check).
+void randomize_biases(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.named_parameters()) {
+    if (p.key().find("bias") != std::string::npos) {
+      p.value().uniform_(-0.1, 0.1);
+    }
+  }
+}
+
+/// Settings::plant_fault: shifts one element of mha's out_proj.bias after
+/// the weight copy (one element: a layer norm would cancel a uniform shift).
+void plant_fault(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.named_parameters()) {
+    if (p.key().find("out_proj.bias") != std::string::npos) {
+      p.value()[0].add_(0.1);
+    }
+  }
+}
+
+Contenders make_encoder(const Shape& s, const torch::Tensor& x,
+                        const Settings& settings) {
+  const int64_t E = s.embed_dim, H = s.num_heads;
+  torch::nn::TransformerEncoderLayer ref(
+      torch::nn::TransformerEncoderLayerOptions(E, H)
+          .dim_feedforward(4 * E)
+          .dropout(0.0));
+  mha::TransformerEncoderLayer ours(mha::TransformerEncoderLayerOptions(E, H)
+                                        .dim_feedforward(4 * E)
+                                        .dropout(0.0)
+                                        .batch_first(false));
+  ref->to(settings.device, settings.dtype);
+  ours->to(settings.device, settings.dtype);
+  randomize_biases(*ref);
+  mha::copy_weights(ref, ours);
+  if (settings.plant_fault) {
+    plant_fault(*ours);
+  }
+  ref->eval();
+  ours->eval();
+  Contenders c;
+  c.mha = [ours, x]() mutable {
+    torch::NoGradGuard no_grad;
+    return Named{{"output", ours->forward(x)}};  // (L, N, E)
+  };
+  c.torch_nn = [ref, x]() mutable {
+    torch::NoGradGuard no_grad;
+    return Named{{"output", ref->forward(x)}};  // (L, N, E)
+  };
+  return c;
+}
+
+Contenders make_contenders(const Shape& s, Mode mode,
+                           const Settings& settings) {
+  torch::manual_seed(settings.seed);
+  const int64_t N = s.batch, L = s.length, E = s.embed_dim, H = s.num_heads;
+  const auto options =
+      torch::TensorOptions().dtype(settings.dtype).device(settings.device);
+  auto x = torch::randn({L, N, E}, options);  // (L, N, E): seq-first
+  if (mode == Mode::kEncoder) {
+    return make_encoder(s, x, settings);
+  }
+  torch::nn::MultiheadAttention ref(torch::nn::MultiheadAttentionOptions(E, H));
+  mha::MultiHeadAttention ours(
+      mha::MultiHeadAttentionOptions(E, H).batch_first(false));
+  ref->to(settings.device, settings.dtype);
+  ours->to(settings.device, settings.dtype);
+  randomize_biases(*ref);
+  mha::copy_weights(ref, ours);
+  if (settings.plant_fault) {
+    plant_fault(*ours);
+  }
+  ref->eval();
+  ours->eval();
+
+  Contenders c;
+  switch (mode) {
+    case Mode::kForward:
+    case Mode::kForwardWeights:
+    case Mode::kInference: {
+      const bool weights = mode == Mode::kForwardWeights;
+      const bool no_grad = mode == Mode::kInference;
+      c.mha = [ours, x, weights, no_grad]() mutable {
+        torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
+        auto [out, w] = ours->forward(x, /*key=*/{}, /*value=*/{},
+                                      /*key_padding_mask=*/{}, weights);
+        Named r{{"output", out}};  // (L, N, E)
+        if (weights) {
+          r.emplace_back("weights", w);  // (N, L, S)
+        }
+        return r;
+      };
+      c.torch_nn = [ref, x, weights, no_grad]() mutable {
+        torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
+        auto [out, w] = ref->forward(x, x, x, /*key_padding_mask=*/{}, weights);
+        Named r{{"output", out}};
+        if (weights) {
+          r.emplace_back("weights", w);
+        }
+        return r;
+      };
+      return c;
+    }
+    case Mode::kCausal: {
+      // Built in place: no (L, L) temporary beyond the mask itself.
+      auto mask =
+          torch::full({L, L}, -std::numeric_limits<double>::infinity(), options)
+              .triu_(/*diagonal=*/1);  // (L, S): -inf above the diagonal
+      c.mha = [ours, x]() mutable {
+        auto [out, w] = ours->forward(x, /*key=*/{}, /*value=*/{},
+                                      /*key_padding_mask=*/{},
+                                      /*need_weights=*/false,
+                                      /*attn_mask=*/{},
+                                      /*average_attn_weights=*/true,
+                                      /*is_causal=*/true);
+        return Named{{"output", out}};
+      };
+      c.torch_nn = [ref, x, mask]() mutable {
+        auto [out, w] = ref->forward(x, x, x, /*key_padding_mask=*/{},
+                                     /*need_weights=*/false, mask);
+        return Named{{"output", out}};
+      };
+      return c;
+    }
+    case Mode::kForwardBackward: {
+      auto grad_out = torch::randn({L, N, E}, options);  // (L, N, E)
+      // Each contender its own leaf with the same values.
+      auto x_mha = x.clone().requires_grad_(true);
+      auto x_ref = x.clone().requires_grad_(true);
+      c.mha = [ours, x_mha, grad_out]() mutable {
+        clear_grads(*ours, x_mha);
+        auto [out, w] = ours->forward(x_mha, /*key=*/{}, /*value=*/{},
+                                      /*key_padding_mask=*/{},
+                                      /*need_weights=*/false);
+        (out * grad_out).sum().backward();
+        return backward_results(*ours, out, x_mha);
+      };
+      c.torch_nn = [ref, x_ref, grad_out]() mutable {
+        clear_grads(*ref, x_ref);
+        auto [out, w] = ref->forward(x_ref, x_ref, x_ref,
+                                     /*key_padding_mask=*/{},
+                                     /*need_weights=*/false);
+        (out * grad_out).sum().backward();
+        return backward_results(*ref, out, x_ref);
+      };
+      return c;
+    }
+    case Mode::kEncoder:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled mode");
+}
+
+/// Errors of `ours` against `reference`, in float64 chunks (a (N, L, S)
+/// weights tensor at L = 8192 would need gigabytes converted at once).
+struct Diff {
+  double max_abs = 0;
+  double scale = 0;  ///< max |reference|
+  bool within = true;
+};
+Diff compare(const torch::Tensor& ours, const torch::Tensor& reference,
+             const mha::parity::Tolerance& tol) {
+  Diff d;
+  if (!ours.defined() || !reference.defined() ||
+      ours.sizes() != reference.sizes()) {
+    d.within = false;
+    d.max_abs = std::numeric_limits<double>::infinity();
+    return d;
+  }
+  torch::NoGradGuard no_grad;
+  auto a = ours.detach().reshape({-1});
+  auto b = reference.detach().reshape({-1});
+  const int64_t total = a.numel();
+  const int64_t chunk = int64_t{1} << 22;
+  for (int64_t begin = 0; begin < total; begin += chunk) {
+    const int64_t len = std::min(chunk, total - begin);
+    auto b64 = b.narrow(0, begin, len).to(torch::kCPU, torch::kFloat64);
+    d.scale = std::max(d.scale, b64.abs().max().item<double>());
+  }
+  // atol is relative to the tensor's own scale (gradients summed over N·L
+  // positions are large), rtol elementwise.
+  const double atol = tol.atol * std::max(1.0, d.scale);
+  for (int64_t begin = 0; begin < total; begin += chunk) {
+    const int64_t len = std::min(chunk, total - begin);
+    auto a64 = a.narrow(0, begin, len).to(torch::kCPU, torch::kFloat64);
+    auto b64 = b.narrow(0, begin, len).to(torch::kCPU, torch::kFloat64);
+    auto diff = (a64 - b64).abs();
+    if (!torch::isfinite(a64).all().item<bool>() ||
+        !torch::isfinite(b64).all().item<bool>()) {
+      d.within = false;
+      d.max_abs = std::numeric_limits<double>::infinity();
+      return d;
+    }
+    d.max_abs = std::max(d.max_abs, diff.max().item<double>());
+    d.within =
+        d.within && diff.le(b64.abs() * tol.rtol + atol).all().item<bool>();
+  }
+  return d;
+}
+
+Check check_results(const Named& ours, const Named& reference,
+                    torch::ScalarType dtype) {
+  const auto tol = mha::parity::tolerance_for(dtype);
+  Check check;
+  check.done = true;
+  check.passed = true;
+  check.atol = tol.atol;
+  check.rtol = tol.rtol;
+  for (const auto& [what, tensor] : ours) {
+    auto match = std::find_if(reference.begin(), reference.end(),
+                              [&](const auto& r) { return r.first == what; });
+    Diff d;
+    if (match == reference.end()) {
+      d.within = false;
+      d.max_abs = std::numeric_limits<double>::infinity();
+    } else {
+      d = compare(tensor, match->second, tol);
+    }
+    const double rel = d.max_abs / std::max(d.scale, 1e-30);
+    check.compared.push_back(what);
+    check.max_abs = std::max(check.max_abs, d.max_abs);
+    // worst: the first tensor out of tolerance, else the largest error.
+    if (!d.within && check.passed) {
+      check.passed = false;
+      check.worst = what;
+    } else if (check.passed && rel >= check.max_rel) {
+      check.worst = what;
+    }
+    check.max_rel = std::max(check.max_rel, rel);
+  }
+  // torch::nn results that mha lacks (e.g. a parameter without a gradient).
+  for (const auto& result : reference) {
+    auto match = std::find_if(ours.begin(), ours.end(), [&](const auto& r) {
+      return r.first == result.first;
+    });
+    if (match == ours.end() && check.passed) {
+      check.passed = false;
+      check.worst = result.first + " (missing in mha)";
+    }
+  }
+  return check;
+}
+
+/// Runs `body`; a thrown exception marks `result` OOM or error. Returns
+/// whether `body` completed.
+template <class Body>
+bool attempt(ContenderResult& result, Body&& body) {
+  try {
+    body();
+    return true;
+  } catch (const std::exception& e) {
+    result.status = is_out_of_memory(e) ? "OOM" : "error";
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    result.error =
+        c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+    // The first line is enough for a report.
+    result.error = result.error.substr(0, result.error.find('\n'));
+    return false;
+  }
+}
+
+bool ok(const ContenderResult& r) { return r.status == "ok"; }
+
+/// Writes "5" to /proc/self/clear_refs: VmHWM restarts from the current RSS.
+bool reset_peak_rss() {
+  std::ofstream clear_refs("/proc/self/clear_refs");
+  clear_refs << "5";
+  clear_refs.flush();
+  return static_cast<bool>(clear_refs);
+}
+
+/// One run with the peak RSS above the RSS before it (KiB) in `peak_kib`.
+double measure_in_process(const Run& run, const torch::Device& device,
+                          int64_t& peak_kib) {
+  malloc_trim(0);  // freed heap pages back to the kernel: a clean baseline
+  const int64_t before = proc_status_kib("VmRSS");
+  TORCH_INTERNAL_ASSERT(reset_peak_rss(), "cannot write /proc/self/clear_refs");
+  const double ms = time_once(run, device);
+  peak_kib = proc_status_kib("VmHWM") - before;
+  return ms;
+}
+
+std::string child_spec(const Shape& s, Mode mode,
+                       const std::string& contender) {
+  return std::to_string(s.batch) + "," + std::to_string(s.length) + "," +
+         std::to_string(s.embed_dim) + "," + std::to_string(s.num_heads) + ":" +
+         name(mode) + ":" + contender;
+}
+
+/// MemoryMethod::kFork: runs a child process (fork + exec of
+/// settings.child_command) that measures one contender. Throws
+/// std::bad_alloc when the child ran out of memory, c10::Error when it failed.
+int64_t measure_in_child(const Shape& s, Mode mode,
+                         const std::string& contender,
+                         const Settings& settings) {
+  std::vector<std::string> args = settings.child_command;
+  args.push_back("--memory-child");
+  args.push_back(child_spec(s, mode, contender));
+  std::vector<char*> argv;
+  for (auto& a : args) {
+    argv.push_back(a.data());
+  }
+  argv.push_back(nullptr);
+  int fds[2];
+  TORCH_CHECK(pipe(fds) == 0, "mha-bench: pipe() failed");
+  const pid_t pid = fork();
+  TORCH_CHECK(pid >= 0, "mha-bench: fork() failed");
+  if (pid == 0) {
+    // Only async-signal-safe calls until exec.
+    dup2(fds[1], STDOUT_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  std::string out;
+  char buffer[256];
+  ssize_t n;
+  while ((n = read(fds[0], buffer, sizeof(buffer))) > 0) {
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (rc == 3) {
+    throw std::bad_alloc();
+  }
+  std::istringstream lines(out);
+  std::string word;
+  int64_t kib = -1;
+  lines >> word >> kib;
+  TORCH_CHECK(rc == 0 && word == "peak_kib" && kib >= 0,
+              "mha-bench: memory child for ", child_spec(s, mode, contender),
+              " failed (exit ", rc, "): ", out);
+  return kib;
+}
+
+double median_of(std::vector<double> v) {
+  return summarize(std::move(v)).median;
+}
+
+}  // namespace
+
+std::optional<Shape> parse_shape(const std::string& text, std::string& error) {
+  std::vector<int64_t> values;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    try {
+      size_t used = 0;
+      const long long v = std::stoll(item, &used);
+      if (used != item.size() || v <= 0) {
+        throw std::invalid_argument(item);
+      }
+      values.push_back(v);
+    } catch (const std::exception&) {
+      error = "--config " + text +
+              ": expected four positive integers N,L,E,H, got '" + item + "'";
+      return std::nullopt;
+    }
+  }
+  if (values.size() != 4) {
+    error = "--config " + text + ": expected four values N,L,E,H, got " +
+            std::to_string(values.size());
+    return std::nullopt;
+  }
+  Shape s{values[0], values[1], values[2], values[3]};
+  if (s.embed_dim % s.num_heads != 0) {
+    error = "--config " + text + ": E = " + std::to_string(s.embed_dim) +
+            " must be divisible by H = " + std::to_string(s.num_heads);
+    return std::nullopt;
+  }
+  return s;
+}
+
+std::string to_string(const Shape& s) {
+  return "(" + std::to_string(s.batch) + "," + std::to_string(s.length) + "," +
+         std::to_string(s.embed_dim) + "," + std::to_string(s.num_heads) + ")";
+}
+
+const std::vector<Mode>& all_modes() {
+  static const std::vector<Mode> modes = [] {
+    std::vector<Mode> m;
+    for (const auto& e : kModes) {
+      m.push_back(e.mode);
+    }
+    return m;
+  }();
+  return modes;
+}
+
+const char* name(Mode mode) { return entry(mode).name; }
+
+const char* description(Mode mode) { return entry(mode).description; }
+
+std::optional<Mode> parse_mode(const std::string& text) {
+  for (const auto& e : kModes) {
+    if (text == e.name) {
+      return e.mode;
+    }
+  }
+  return std::nullopt;
+}
+
+double dense_flops(const Shape& s, Mode mode) {
+  const double N = static_cast<double>(s.batch);
+  const double L = static_cast<double>(s.length);
+  const double S = L;  // self-attention
+  const double E = static_cast<double>(s.embed_dim);
+  const double projections = 8 * N * L * E * E;  // Q, K, V, out
+  const double attention = 4 * N * L * S * E;    // Q·Kᵀ and A·V
+  double forward = projections + attention;
+  if (mode == Mode::kEncoder) {
+    const double F = 4 * E;
+    forward += 4 * N * L * E * F;  // linear1 and linear2
+  }
+  return mode == Mode::kForwardBackward ? 3 * forward : forward;
+}
+
+Stats summarize(std::vector<double> samples) {
+  TORCH_INTERNAL_ASSERT(!samples.empty(), "summarize: no samples");
+  Stats s;
+  s.samples = samples;
+  std::sort(samples.begin(), samples.end());
+  auto quantile = [&](double q) {
+    const double pos = q * static_cast<double>(samples.size() - 1);
+    const auto lo = static_cast<size_t>(std::floor(pos));
+    const auto hi = std::min(lo + 1, samples.size() - 1);
+    return samples[lo] +
+           (pos - static_cast<double>(lo)) * (samples[hi] - samples[lo]);
+  };
+  s.min = samples.front();
+  s.max = samples.back();
+  s.median = quantile(0.5);
+  s.q1 = quantile(0.25);
+  s.q3 = quantile(0.75);
+  return s;
+}
+
+const char* name(MemoryMethod method) {
+  switch (method) {
+    case MemoryMethod::kClearRefs:
+      return "clear_refs";
+    case MemoryMethod::kFork:
+      return "fork";
+    case MemoryMethod::kNone:
+      return "none";
+  }
+  return "?";
+}
+
+bool clear_refs_writable() {
+  return access("/proc/self/clear_refs", W_OK) == 0 && reset_peak_rss();
+}
+
+int64_t proc_status_kib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) {
+      return std::stoll(line.substr(field.size() + 1));
+    }
+  }
+  return -1;
+}
+
+bool is_out_of_memory(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
+    return true;
+  }
+  const std::string what = e.what();
+  return what.find("out of memory") != std::string::npos ||
+         what.find("can't allocate memory") != std::string::npos;
+}
+
+RowResult run_row(const Shape& shape, Mode mode, const Settings& settings) {
+  RowResult row;
+  row.shape = shape;
+  row.mode = mode;
+  row.flops = dense_flops(shape, mode);
+  row.warmup = std::max(settings.warmup, 1);
+  auto& A = row.mha;
+  auto& B = row.torch_nn;
+
+  Contenders c;
+  if (!attempt(A, [&] { c = make_contenders(shape, mode, settings); })) {
+    B.status = A.status;
+    B.error = A.error;
+    return row;
+  }
+
+  // 1. First run of each (untimed): peak memory, and the results, compared
+  // before anything is timed.
+  double last_a = 0, last_b = 0;  // ms of the latest untimed run
+  {
+    Named out_a, out_b;
+    auto first_run = [&](ContenderResult& r, const Run& run, Named& out,
+                         double& ms) {
+      attempt(r, [&] {
+        int64_t kib = -1;
+        const Run keep = [&] {
+          out = run();
+          return Named{};
+        };
+        if (settings.memory == MemoryMethod::kClearRefs) {
+          ms = measure_in_process(keep, settings.device, kib);
+          r.peak_mib = static_cast<double>(kib) / 1024.0;
+        } else {
+          ms = time_once(keep, settings.device);
+        }
+      });
+    };
+    first_run(A, c.mha, out_a, last_a);
+    first_run(B, c.torch_nn, out_b, last_b);
+    if (ok(A) && ok(B)) {
+      row.check = check_results(out_a, out_b, settings.dtype);
+      if (!row.check.passed) {
+        A.status = B.status = "skipped";
+        A.error = B.error = "results differ; not timed";
+        A.peak_mib = B.peak_mib = std::nullopt;
+        row.warmup = 1;
+        return row;
+      }
+    }
+  }
+  if (settings.memory == MemoryMethod::kFork) {
+    for (auto [r, contender] :
+         {std::pair{&A, "mha"}, std::pair{&B, "torch_nn"}}) {
+      if (ok(*r)) {
+        attempt(*r, [&] {
+          r->peak_mib = static_cast<double>(measure_in_child(
+                            shape, mode, contender, settings)) /
+                        1024.0;
+        });
+      }
+    }
+  }
+
+  // 2. Further warm-ups, interleaved.
+  for (int i = 1; i < settings.warmup; ++i) {
+    if (ok(A)) {
+      attempt(A, [&] { last_a = time_once(c.mha, settings.device); });
+    }
+    if (ok(B)) {
+      attempt(B, [&] { last_b = time_once(c.torch_nn, settings.device); });
+    }
+  }
+
+  // 3. Timed repetitions A B A B ...
+  int reps = settings.reps;
+  if (reps <= 0) {
+    const double pair_ms = (ok(A) ? last_a : 0) + (ok(B) ? last_b : 0);
+    const double fit = settings.budget_s * 1000.0 / std::max(pair_ms, 1e-3);
+    reps = static_cast<int>(std::clamp(std::floor(fit),
+                                       static_cast<double>(settings.min_reps),
+                                       static_cast<double>(settings.max_reps)));
+  }
+  row.reps = reps;
+  std::vector<double> samples_a, samples_b;
+  for (int i = 0; i < reps; ++i) {
+    if (ok(A)) {
+      attempt(A,
+              [&] { samples_a.push_back(time_once(c.mha, settings.device)); });
+    }
+    if (ok(B)) {
+      attempt(B, [&] {
+        samples_b.push_back(time_once(c.torch_nn, settings.device));
+      });
+    }
+  }
+  for (auto [r, samples] :
+       {std::pair{&A, &samples_a}, std::pair{&B, &samples_b}}) {
+    if (ok(*r) && !samples->empty()) {
+      r->time_ms = summarize(*samples);
+      r->gflops = row.flops / (r->time_ms.median * 1e-3) / 1e9;
+    }
+  }
+  if (ok(A) && ok(B)) {
+    row.ratio = A.time_ms.median / B.time_ms.median;
+  }
+  // Below 1 MiB the peaks are a few pages: their ratio would be noise.
+  if (A.peak_mib && B.peak_mib && *B.peak_mib >= 1.0) {
+    row.memory_ratio = *A.peak_mib / *B.peak_mib;
+  }
+  return row;
+}
+
+int64_t child_peak_kib(const Shape& shape, Mode mode,
+                       const std::string& contender, const Settings& settings) {
+  TORCH_CHECK(contender == "mha" || contender == "torch_nn",
+              "--memory-child: contender must be mha or torch_nn, got ",
+              contender);
+  auto c = make_contenders(shape, mode, settings);
+  const Run& run = contender == "mha" ? c.mha : c.torch_nn;
+  malloc_trim(0);
+  const int64_t before = proc_status_kib("VmRSS");
+  time_once(run, settings.device);
+  return proc_status_kib("VmHWM") - before;
+}
+
+Gemm measure_gemm(int64_t n, int reps, const Settings& settings) {
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(settings.seed);
+  const auto options =
+      torch::TensorOptions().dtype(settings.dtype).device(settings.device);
+  auto a = torch::randn({n, n}, options);
+  auto b = torch::randn({n, n}, options);
+  Run run = [&] { return Named{{"c", torch::mm(a, b)}}; };
+  time_once(run, settings.device);
+  std::vector<double> samples;
+  for (int i = 0; i < reps; ++i) {
+    samples.push_back(time_once(run, settings.device));
+  }
+  Gemm g;
+  g.n = n;
+  g.reps = reps;
+  g.median_ms = median_of(samples);
+  const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) *
+                       static_cast<double>(n);
+  g.gflops = flops / (g.median_ms * 1e-3) / 1e9;
+  return g;
+}
+
+}  // namespace mha::bench

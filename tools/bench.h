@@ -1,0 +1,180 @@
+// The measuring part of mha-bench: mha and torch::nn on the same weights and
+// inputs, checked against each other once, then timed in interleaved
+// repetitions, with peak memory and dense FLOP counts. mha_bench.cpp is the
+// command line and the report around it.
+//
+// Glossary: N batch, L sequence length (self-attention: S = L), E embed_dim,
+// H num_heads, F dim_feedforward (4E in the encoder-layer rows).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mha::bench {
+
+/// One benchmarked size.
+struct Shape {
+  int64_t batch = 1;      ///< N
+  int64_t length = 1;     ///< L (= S)
+  int64_t embed_dim = 1;  ///< E
+  int64_t num_heads = 1;  ///< H
+};
+
+/// "N,L,E,H" → Shape; nullopt (and `error` set) unless four positive integers
+/// with E divisible by H.
+std::optional<Shape> parse_shape(const std::string& text, std::string& error);
+/// "(N,L,E,H)".
+std::string to_string(const Shape& shape);
+
+/// What one row measures. Every module is in eval() (dropout off) and both
+/// contenders get the same seq-first input (L, N, E) (mha with
+/// batch_first=false), self-attention.
+enum class Mode {
+  kForward,          ///< "fwd": need_weights=false, autograd on
+  kForwardWeights,   ///< "fwd-weights": need_weights=true (averaged)
+  kCausal,           ///< "causal": mha is_causal=true; torch::nn a float
+                     ///< (L, L) mask, -inf above the diagonal
+  kForwardBackward,  ///< "fwd-bwd": loss = sum(out * fixed random), grads
+                     ///< of input and parameters
+  kInference,        ///< "inference": under NoGradGuard, need_weights=false
+  kEncoder,          ///< "encoder": TransformerEncoderLayer, F = 4E, post-norm
+                     ///< seq-first relu, inference (NoGradGuard)
+};
+
+/// Every mode in report order.
+const std::vector<Mode>& all_modes();
+/// "fwd", "fwd-weights", "causal", "fwd-bwd", "inference", "encoder".
+const char* name(Mode mode);
+/// One line saying what the mode runs.
+const char* description(Mode mode);
+/// The mode called `text`, or nullopt.
+std::optional<Mode> parse_mode(const std::string& text);
+
+/// Dense floating-point operations of one repetition:
+///   projections 8·N·L·E² (Q, K, V, out) + attention 4·N·L·S·E,
+///   plus 4·N·L·E·F for the encoder layer's feed-forward;
+///   ×3 when the repetition includes the backward pass.
+/// Causal rows count the full L×S (no credit for skipped blocks).
+double dense_flops(const Shape& shape, Mode mode);
+
+/// Median, quartiles and extremes of timing samples (ms).
+struct Stats {
+  double median = 0, min = 0, max = 0, q1 = 0, q3 = 0;
+  std::vector<double> samples;  ///< in the order measured
+};
+/// Summary of `samples` (not empty); quartiles by linear interpolation.
+Stats summarize(std::vector<double> samples);
+
+/// How peak memory is measured.
+enum class MemoryMethod {
+  /// In process: write "5" to /proc/self/clear_refs (resets VmHWM to the
+  /// current RSS), run once, read VmHWM; minus VmRSS before the run (after
+  /// malloc_trim, so freed heap memory is not counted as in use).
+  kClearRefs,
+  /// Each measurement in a fresh child process (fork + exec of this tool):
+  /// VmHWM after one run minus VmRSS before it; includes the one-time
+  /// allocations of a first run.
+  kFork,
+  /// Not measured (CUDA: host RSS says nothing about device memory).
+  kNone,
+};
+/// "clear_refs", "fork" or "none".
+const char* name(MemoryMethod method);
+/// True when this process may write /proc/self/clear_refs.
+bool clear_refs_writable();
+
+/// A field of /proc/self/status in KiB (e.g. "VmRSS", "VmHWM"); -1 if absent.
+int64_t proc_status_kib(const std::string& field);
+
+/// What every row shares.
+struct Settings {
+  torch::Device device = torch::kCPU;
+  torch::ScalarType dtype = torch::kFloat32;
+  /// Untimed runs per contender before timing (>= 1); the first one
+  /// measures peak memory and its results are compared.
+  int warmup = 1;
+  /// Timed repetitions per contender; 0 = automatic: as many as fit in
+  /// `budget_s` for the pair, at least `min_reps`, at most `max_reps`.
+  int reps = 0;
+  double budget_s = 2.0;
+  int min_reps = 3;
+  int max_reps = 31;
+  uint64_t seed = 0;
+  MemoryMethod memory = MemoryMethod::kClearRefs;
+  /// kFork: the command line of a child that measures one contender; the
+  /// child arguments (`--memory-child N,L,E,H:MODE:CONTENDER`) are appended.
+  std::vector<std::string> child_command;
+  /// Self-test: shifts one bias element of mha's copy: every check fails.
+  bool plant_fault = false;
+};
+
+/// One contender's outcome in a row.
+struct ContenderResult {
+  /// "ok", "OOM" (ran out of memory; the row goes on without it),
+  /// "error" (threw something else), or "skipped" (the check failed).
+  std::string status = "ok";
+  std::string error;               ///< the exception text for "OOM" / "error"
+  Stats time_ms;                   ///< empty samples unless status is "ok"
+  double gflops = 0;               ///< dense_flops / median time
+  std::optional<double> peak_mib;  ///< above the RSS before the run
+};
+
+/// The comparison of mha's results with torch::nn's, before timing.
+struct Check {
+  bool done = false;    ///< false when a contender could not run
+  bool passed = false;  ///< every tensor within tolerance
+  /// Compared tensors ("output", "weights", "grad input", "grad <param>").
+  std::vector<std::string> compared;
+  double max_abs = 0;  ///< max |mha - torch::nn| over every tensor
+  /// max |mha - torch::nn| / max |torch::nn| of the worst tensor.
+  double max_rel = 0;
+  std::string worst;  ///< the tensor where max_rel occurs
+  double atol = 0, rtol = 0;
+};
+
+/// One (shape, mode) row.
+struct RowResult {
+  Shape shape;
+  Mode mode = Mode::kForward;
+  double flops = 0;
+  int warmup = 0;  ///< untimed runs per contender
+  int reps = 0;    ///< timed runs per contender
+  Check check;
+  ContenderResult mha;
+  ContenderResult torch_nn;
+  std::optional<double> ratio;  ///< mha median / torch::nn median
+  /// mha peak / torch::nn peak, when torch::nn's is at least 1 MiB.
+  std::optional<double> memory_ratio;
+};
+
+/// Builds both contenders (same seed, weights copied from torch::nn to mha),
+/// runs each once (untimed) measuring peak memory, compares the results
+/// (a row that differs is not timed), then times A B A B ...
+/// Never throws for a contender's failure (recorded in the result).
+RowResult run_row(const Shape& shape, Mode mode, const Settings& settings);
+
+/// The child side of MemoryMethod::kFork: builds the row as run_row does,
+/// runs `contender` ("mha" or "torch_nn") once and returns the peak in KiB
+/// above the RSS before the run.
+int64_t child_peak_kib(const Shape& shape, Mode mode,
+                       const std::string& contender, const Settings& settings);
+
+/// torch::mm of two (n, n) matrices: median GFLOP/s (2n³ per product) over
+/// `reps` runs after one warm-up.
+struct Gemm {
+  int64_t n = 0;
+  int reps = 0;
+  double median_ms = 0;
+  double gflops = 0;
+};
+Gemm measure_gemm(int64_t n, int reps, const Settings& settings);
+
+/// True when `e` says an allocation failed (CPU or CUDA).
+bool is_out_of_memory(const std::exception& e);
+
+}  // namespace mha::bench
