@@ -9,7 +9,8 @@ packages=(
   libgtest-dev          # GoogleTest
   libfmt-dev            # fmt (tools and src only)
   libcli11-dev          # CLI11 (tool command lines)
-  nlohmann-json3-dev    # JSON (mha-parity --json)
+  nlohmann-json3-dev    # JSON (safetensors headers, mha-parity --json)
+  python3-torch         # Python PyTorch: the state-dict round-trip test
   cmake g++ make ninja-build
 )
 

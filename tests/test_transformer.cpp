@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "fixture_helpers.h"
+#include "mha/state_dict.h"
 #include "mha/transformer.h"
 #include "mha/weights.h"
 #include "test_helpers.h"
@@ -460,6 +462,120 @@ TEST_F(TransformerEncoderTest, WithoutNormAndErrors) {
       "num_layers must be >= 1, but got 0");
   EXPECT_THROW_MSG(encoder(torch::randn({2, 3, 4})),
                    "d_model = 8, but got [2, 3, 4]");
+}
+
+// ------------------------------------------ weights trained in Python ---
+// Fixtures from scripts/make_fixtures.py (PyTorch 2.6): state dicts in every
+// format, inputs with padding, outputs and input gradients.
+
+mha::TransformerEncoderLayerOptions layer_options(const nlohmann::json& o) {
+  auto options =
+      mha::TransformerEncoderLayerOptions(o.at("d_model"), o.at("nhead"))
+          .dim_feedforward(o.at("dim_feedforward"))
+          .dropout(o.at("dropout"))
+          .layer_norm_eps(o.at("layer_norm_eps"))
+          .batch_first(o.at("batch_first"))
+          .norm_first(o.at("norm_first"))
+          .bias(o.at("bias"));
+  if (o.at("activation") == "gelu") {
+    options.activation(torch::kGELU);
+  }
+  return options;
+}
+
+/// Loads `file` into `module`, runs it on the fixture's input and compares
+/// output and input gradient with Python's to 1e-5.
+template <typename Holder>
+void check_fixture(Holder& module, const nlohmann::json& fixture,
+                   const std::string& file) {
+  SCOPED_TRACE(fixture.at("name").get<std::string>() + " from " + file);
+  module->eval();
+  auto result = mha::load_state_dict(*module, file);
+  EXPECT_TRUE(result.missing_keys.empty() && result.unexpected_keys.empty());
+  auto data = fixtures::data(fixture);
+  auto src = data["src"].clone().requires_grad_();
+  auto out = module(src, torch::Tensor(), data["src_key_padding_mask"]);
+  expect_close(out, data["output"], 1e-5, 0.0, "output");
+  (out * data["output_grad"]).sum().backward();
+  expect_close(src.grad(), data["grad_src"], 1e-5, 0.0, "grad src");
+}
+
+TEST(TransformerFixtureTest, EncoderLayersTrainedInPythonMatch) {
+  const auto found = fixtures::of_module("TransformerEncoderLayer");
+  ASSERT_GE(found.size(), 5u);
+  for (const auto& fixture : found) {
+    for (const auto& file : fixtures::state_dict_files(fixture)) {
+      mha::TransformerEncoderLayer layer(layer_options(fixture.at("options")));
+      check_fixture(layer, fixture, file);
+    }
+  }
+}
+
+TEST(TransformerFixtureTest, EncoderWithFinalNormTrainedInPythonMatches) {
+  const auto found = fixtures::of_module("TransformerEncoder");
+  ASSERT_FALSE(found.empty());
+  for (const auto& fixture : found) {
+    const auto& o = fixture.at("options");
+    for (const auto& file : fixtures::state_dict_files(fixture)) {
+      auto options = mha::TransformerEncoderOptions(
+          mha::TransformerEncoderLayer(layer_options(o.at("layer"))),
+          o.at("num_layers"));
+      if (o.at("norm")) {
+        options.norm(torch::nn::AnyModule(
+            mha::LayerNorm(mha::LayerNormOptions(o.at("layer").at("d_model"))
+                               .eps(o.at("norm_eps")))));
+      }
+      mha::TransformerEncoder encoder(options);
+      check_fixture(encoder, fixture, file);
+    }
+  }
+}
+
+/// C++ -> Python: weights set in C++ and saved with save_state_dict give
+/// Python's nn.TransformerEncoderLayer the outputs they give mha.
+TEST(TransformerFixtureTest, CppWeightsGiveTheSameOutputsInPython) {
+  std::string tried;
+  const auto python = fixtures::python_with_torch(&tried);
+  if (python.empty()) {
+    GTEST_SKIP() << "no Python with torch found (tried " << tried
+                 << "); scripts/setup.sh installs python3-torch";
+  }
+  torch::manual_seed(0);
+  // Options every PyTorch since 1.12 has (bias=false needs 2.1).
+  auto options = mha::TransformerEncoderLayerOptions(8, 2)
+                     .dim_feedforward(16)
+                     .dropout(0.0)
+                     .activation(torch::kGELU)
+                     .layer_norm_eps(1e-3)
+                     .norm_first(true);
+  mha::TransformerEncoderLayer layer(options);
+  layer->eval();
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : layer->parameters()) {
+      p.uniform_(-0.5, 0.5);
+    }
+  }
+  const auto dir = fixtures::temp_dir("encoder-to-python");
+  mha::save_state_dict(*layer, dir + "/layer.pt");
+  auto src = torch::randn({2, 5, 8});
+  auto padding = torch::zeros({2, 5}, torch::kBool);
+  padding.index_put_({1, torch::indexing::Slice(3)}, true);
+  torch::OrderedDict<std::string, torch::Tensor> input;
+  input.insert("src", src);
+  input.insert("src_key_padding_mask", padding);
+  mha::write_state_dict(input, dir + "/input.safetensors");
+  std::ofstream(dir + "/options.json") << nlohmann::json{
+      {"d_model", 8},           {"nhead", 2},
+      {"dim_feedforward", 16},  {"activation", "gelu"},
+      {"layer_norm_eps", 1e-3}, {"batch_first", true},
+      {"norm_first", true}}.dump();
+  const auto command =
+      "'" + python + "' '" MHA_PYTHON_ENCODER_SCRIPT "' '" + dir + "'";
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  auto output = mha::read_state_dict(dir + "/output.safetensors")["output"];
+  expect_close(output, layer(src, torch::Tensor(), padding), 1e-5, 0.0,
+               "Python's output");
 }
 
 }  // namespace

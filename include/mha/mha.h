@@ -7,5 +7,6 @@
 #include "mha/multi_head_attention.h"
 #include "mha/parity.h"
 #include "mha/plot.h"
+#include "mha/state_dict.h"
 #include "mha/transformer.h"
 #include "mha/weights.h"
