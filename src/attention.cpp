@@ -32,6 +32,14 @@ torch::Tensor shape_weights(const torch::Tensor& weights, WeightsMode mode) {
   return torch::Tensor();
 }
 
+/// `mask` (additive or undefined) with the top-left causal block merged in.
+torch::Tensor with_causal(const torch::Tensor& mask, const torch::Tensor& query,
+                          const torch::Tensor& key) {
+  return merge_masks(
+      {mask, causal_mask(query.size(-2), key.size(-2), query.options())},
+      query.scalar_type());
+}
+
 }  // namespace
 
 AttentionResult explicit_attention(const torch::Tensor& query,
@@ -41,12 +49,8 @@ AttentionResult explicit_attention(const torch::Tensor& query,
                                    double dropout_p, double scale,
                                    WeightsMode weights_mode) {
   const auto dtype = query.scalar_type();
-  auto mask = mask_in;
-  if (is_causal) {
-    mask = merge_masks(
-        {mask, causal_mask(query.size(-2), key.size(-2), query.options())},
-        dtype);  // broadcastable to (..., L, S)
-  }
+  // broadcastable to (..., L, S)
+  auto mask = is_causal ? with_causal(mask_in, query, key) : mask_in;
   // (..., L, E)·(..., E, S) → (..., L, S); scaling the smaller operand.
   auto scores = torch::matmul(query * scale, key.transpose(-2, -1));
   torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
@@ -395,11 +399,7 @@ AttentionResult attention_core(const torch::Tensor& query,
   if (weights == WeightsMode::kNone) {
     // LibTorch refuses is_causal together with a mask: merge them then.
     const bool merge = is_causal && mask.defined();
-    auto fused_mask =
-        merge ? merge_masks({mask, causal_mask(query.size(-2), key.size(-2),
-                                               query.options())},
-                            query.scalar_type())
-              : mask;
+    auto fused_mask = merge ? with_causal(mask, query, key) : mask;
     auto output = fused_sdpa(query, key, value, fused_mask, dropout_p,
                              is_causal && !merge, scale);
     // The fused kernel adds the mask to the scores, so a score that

@@ -469,6 +469,22 @@ Parts run_torch_nn(const Case& c,
   return parts;
 }
 
+/// Runs torch::nn through `run`; if it throws, keeps the first line of the
+/// message (at most 60 characters) in `threw` and marks torch::nn as used
+/// and not within tolerance.
+template <typename Run>
+Parts run_reference(Run&& run, std::string& threw, CaseResult& result) {
+  try {
+    return run();
+  } catch (const c10::Error& e) {
+    threw = e.what_without_backtrace();
+    threw = threw.substr(0, std::min<size_t>(threw.find('\n'), 60));
+    result.torch_nn.used = true;
+    result.torch_nn.within = false;
+    return {};
+  }
+}
+
 /// Compares mha's tensors with both references' and sets the status:
 /// PASS within tolerance of both (of float64 alone where torch::nn lacks the
 /// case's options: `nn` empty and `nn_threw` empty), REF-DIFF when torch::nn
@@ -669,14 +685,11 @@ CaseResult run_encoder_case(const Case& c, const torch::Device& device,
   std::string nn_threw, ref_diff;
   if (lacks.empty()) {
     ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
-    try {
-      nn_parts = run_torch_nn_encoder(c, pristine, in, g_out, result.note);
-    } catch (const c10::Error& e) {
-      nn_threw = e.what_without_backtrace();
-      nn_threw = nn_threw.substr(0, std::min<size_t>(nn_threw.find('\n'), 60));
-      result.torch_nn.used = true;
-      result.torch_nn.within = false;
-    }
+    nn_parts = run_reference(
+        [&] {
+          return run_torch_nn_encoder(c, pristine, in, g_out, result.note);
+        },
+        nn_threw, result);
   }
   judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
   if (!lacks.empty()) {
@@ -821,14 +834,9 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   // report shows what it actually does (throws, differs, NaN).
   Parts nn_parts;
   std::string nn_threw;
-  try {
-    nn_parts = run_torch_nn(c, pristine, in, loss_of, result.note);
-  } catch (const c10::Error& e) {
-    nn_threw = e.what_without_backtrace();
-    nn_threw = nn_threw.substr(0, std::min<size_t>(nn_threw.find('\n'), 60));
-    result.torch_nn.used = true;
-    result.torch_nn.within = false;
-  }
+  nn_parts = run_reference(
+      [&] { return run_torch_nn(c, pristine, in, loss_of, result.note); },
+      nn_threw, result);
 
   judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
   if (c.need_weights) {
