@@ -8,5 +8,6 @@
 #include "mha/parity.h"
 #include "mha/plot.h"
 #include "mha/state_dict.h"
+#include "mha/train.h"
 #include "mha/transformer.h"
 #include "mha/weights.h"

@@ -1,0 +1,105 @@
+# Checks mha-train end to end on tiny settings: bad arguments give one line
+# and exit 2; a run writes its checkpoint, loss.csv and loss.svg and prints
+# the accuracy; a run stopped at step k and resumed writes the same losses
+# as the uninterrupted run; --task charlm prints the baseline and a sample.
+# Variables: TOOL (the mha-train executable), WORK_DIR.
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+function(run_tool code)
+  execute_process(COMMAND ${TOOL} ${ARGN} WORKING_DIRECTORY ${WORK_DIR}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL code)
+    message(FATAL_ERROR "mha-train ${ARGN}: exit ${rc}, expected ${code}\n${out}${err}")
+  endif()
+  set(last_out "${out}" PARENT_SCOPE)
+  set(last_err "${err}" PARENT_SCOPE)
+endfunction()
+
+# Bad arguments: exit 2 with exactly one line on stderr that says what.
+function(expect_usage_error pattern)
+  run_tool(2 ${ARGN})
+  string(STRIP "${last_err}" err)
+  if(err MATCHES "\n" OR NOT err MATCHES "${pattern}")
+    message(FATAL_ERROR "mha-train ${ARGN}: expected one line matching "
+                        "'${pattern}' on stderr, got:\n${last_err}")
+  endif()
+endfunction()
+
+file(WRITE ${WORK_DIR}/short.txt "too short for any context")
+expect_usage_error("task" --task nonsense)
+expect_usage_error("no such file" --task charlm --text ${WORK_DIR}/missing.txt)
+expect_usage_error("--batch-size must be >= 1, got 0" --batch-size 0)
+expect_usage_error("too short for a context of 64" --task charlm
+                   --text ${WORK_DIR}/short.txt)
+expect_usage_error("no checkpoint" --resume --out ${WORK_DIR}/nothing-here)
+expect_usage_error("--steps must be >= 1" --steps 0)
+expect_usage_error("--no-such-flag" --no-such-flag)
+run_tool(0 --help)
+
+# A tiny reverse run, uninterrupted.
+set(tiny --max-len 6 --d-model 32 --heads 2 --layers 1 --ff 64 --dropout 0.1
+    --batch-size 32 --steps 24 --warmup 4 --eval-every 5 --checkpoint-every 6
+    --eval-sequences 100)
+run_tool(0 ${tiny} --out whole)
+if(NOT last_out MATCHES "held-out accuracy: [0-9.]+% of 100 sequences")
+  message(FATAL_ERROR "no accuracy line in:\n${last_out}")
+endif()
+foreach(file checkpoint/model.safetensors checkpoint/trainer.pt loss.csv loss.svg)
+  if(NOT EXISTS ${WORK_DIR}/whole/${file})
+    message(FATAL_ERROR "mha-train did not write whole/${file}")
+  endif()
+endforeach()
+# Not a terminal: a bounded number of progress lines.
+string(REGEX MATCHALL "\nstep " progress_lines "${last_out}")
+list(LENGTH progress_lines progress_count)
+if(progress_count LESS 1 OR progress_count GREATER 30)
+  message(FATAL_ERROR "expected 1..30 progress lines, got ${progress_count}:\n${last_out}")
+endif()
+run_tool(0 ${tiny} --out quiet --quiet)
+if(last_out MATCHES "\nstep ")
+  message(FATAL_ERROR "--quiet printed progress lines:\n${last_out}")
+endif()
+
+# The same run stopped after step 9 and resumed: the same losses.
+run_tool(0 ${tiny} --out resumed --stop-at 9)
+run_tool(0 ${tiny} --out resumed --resume)
+if(NOT last_out MATCHES "trained steps 10-24")
+  message(FATAL_ERROR "the resumed run did not continue at step 10:\n${last_out}")
+endif()
+# The columns step, lr, train_loss and val_loss of a loss.csv (not the
+# timings), one list entry per row.
+function(loss_columns path result)
+  file(STRINGS ${path} lines)
+  set(columns "")
+  foreach(line IN LISTS lines)
+    string(REGEX REPLACE ",[^,]*,[^,]*$" "" kept "${line}")
+    list(APPEND columns "${kept}")
+  endforeach()
+  set(${result} "${columns}" PARENT_SCOPE)
+endfunction()
+loss_columns(${WORK_DIR}/whole/loss.csv whole_losses)
+loss_columns(${WORK_DIR}/resumed/loss.csv resumed_losses)
+list(LENGTH whole_losses rows)
+if(NOT rows EQUAL 25 OR NOT whole_losses STREQUAL resumed_losses)
+  message(FATAL_ERROR "resumed losses differ from the uninterrupted run's:\n"
+                      "${whole_losses}\nvs\n${resumed_losses}")
+endif()
+# Settings that differ from the checkpoint's are refused.
+run_tool(1 ${tiny} --out resumed --resume --lr 0.01)
+
+# A tiny character model.
+set(text "")
+foreach(i RANGE 40)
+  string(APPEND text "the cat sat on the mat. the dog sat on the log. ")
+endforeach()
+file(WRITE ${WORK_DIR}/cats.txt "${text}")
+run_tool(0 --task charlm --text ${WORK_DIR}/cats.txt --context 32 --d-model 32
+         --heads 2 --layers 1 --batch-size 8 --steps 20 --warmup 2
+         --sample-len 30 --prompt "the " --out charlm --quiet)
+if(NOT last_out MATCHES "unigram baseline [0-9.]+ nats/char"
+   OR NOT last_out MATCHES "validation loss [0-9.]+ nats/char"
+   OR NOT last_out MATCHES "sample \\(temperature 0.8, top-k 10\\):\nthe ")
+  message(FATAL_ERROR "charlm output lacks the baseline, loss or sample:\n${last_out}")
+endif()
+message(STATUS "mha-train: exit codes, files, exact resume and charlm ok")

@@ -1,0 +1,492 @@
+// mha-train: trains toy models with mha, end to end: a TransformerEncoder
+// that learns to reverse (or sort) digit sequences, or a small GPT-style
+// character language model. The training loop, tasks, checkpoints and loss
+// curve live in the library (mha/train.h); this is the command line.
+// Exit status: 0 done, 1 training failed, 2 bad arguments.
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "mha/detail/compat.h"
+#include "mha/train.h"
+#include "tool_common.h"
+
+namespace {
+
+namespace train = mha::train;
+
+/// Settings whose defaults depend on the task; unset ones take the task's.
+struct TaskDefaults {
+  int64_t steps, batch_size, warmup, d_model, heads, layers, ff;
+  double lr, min_lr, weight_decay, dropout;
+};
+
+// Digit tasks: a 2-layer, 64-wide encoder. Character LM: 3 blocks, 96 wide,
+// context 64. Both sized to reach their targets in 1-3 minutes on 2 cores.
+constexpr TaskDefaults kDigitDefaults = {
+    /*steps=*/800,
+    /*batch_size=*/64,
+    /*warmup=*/100,
+    /*d_model=*/64,
+    /*heads=*/4,
+    /*layers=*/2,
+    /*ff=*/256,
+    /*lr=*/2e-3,
+    /*min_lr=*/1e-4,
+    /*weight_decay=*/0.01,
+    /*dropout=*/0.0,
+};
+constexpr TaskDefaults kCharDefaults = {
+    /*steps=*/800,
+    /*batch_size=*/32,
+    /*warmup=*/100,
+    /*d_model=*/96,
+    /*heads=*/4,
+    /*layers=*/3,
+    /*ff=*/0,  // unused: the GPT block's MLP is 4 x d_model
+    /*lr=*/3e-3,
+    /*min_lr=*/1e-4,
+    /*weight_decay=*/0.1,
+    /*dropout=*/0.1,
+};
+
+constexpr const char* kDefaultText = "/usr/share/common-licenses/GPL-3";
+
+/// One line on stderr and exit status 2.
+int usage_error(const std::string& message) {
+  fmt::print(stderr, "mha-train: {}\n", message);
+  return 2;
+}
+
+/// Sets OpenBLAS's thread count when OpenBLAS is loaded (looked up by
+/// name, so nothing links against it). Returns false when it is not.
+bool set_openblas_threads(int threads) {
+  using SetThreads = void (*)(int);
+  auto set = reinterpret_cast<SetThreads>(
+      dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (set == nullptr) {
+    return false;
+  }
+  set(threads);
+  return true;
+}
+
+/// The kernel set OpenBLAS chose ("SkylakeX", "Prescott", ...), or "" when
+/// OpenBLAS is not loaded.
+std::string openblas_core() {
+  using GetCore = char* (*)();
+  auto get =
+      reinterpret_cast<GetCore>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  return get != nullptr ? std::string(get()) : std::string();
+}
+
+/// Set in the environment across the re-execution below.
+constexpr const char* kReexecMarker = "MHA_TRAIN_REEXECUTED";
+
+/// Two runtime settings that only the environment controls, read when the
+/// libraries load (before main), so that mha-train sets them and executes
+/// itself again, once, when they are unset:
+///   * OMP_WAIT_POLICY=PASSIVE: idle OpenMP workers sleep instead of
+///     spinning against OpenBLAS's threads for the same cores
+///     (PERF-NOTES: spinning made small calls bimodal);
+///   * OPENBLAS_CORETYPE: OpenBLAS 0.3.21 (Debian 12) does not recognise
+///     recent Intel CPUs (this machine's model 207) and falls back to its
+///     SSE3 "Prescott" kernels, which made training steps 1.5-2x slower here
+///     than the AVX-512 (SkylakeX) or AVX2 (Haswell) kernels the CPU runs.
+/// Returns a note of what was set, or "" when nothing was.
+std::string tune_runtime_environment(char** argv) {
+  if (std::getenv(kReexecMarker) != nullptr) {
+    const std::string note = std::getenv(kReexecMarker);
+    unsetenv(kReexecMarker);
+    return note;
+  }
+  std::string note;
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/1);
+    note += "OMP_WAIT_POLICY=PASSIVE";
+  }
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr &&
+      openblas_core() == "Prescott") {
+    const char* core = __builtin_cpu_supports("avx512f") ? "SKYLAKEX"
+                       : __builtin_cpu_supports("avx2")  ? "HASWELL"
+                                                         : nullptr;
+    if (core != nullptr) {
+      setenv("OPENBLAS_CORETYPE", core, /*overwrite=*/1);
+      note +=
+          std::string(note.empty() ? "" : " ") + "OPENBLAS_CORETYPE=" + core;
+    }
+  }
+  if (note.empty()) {
+    return note;
+  }
+  setenv(kReexecMarker, note.c_str(), /*overwrite=*/1);
+  execv("/proc/self/exe", argv);
+  unsetenv(kReexecMarker);  // exec failed: carry on untuned
+  return "";
+}
+
+/// Prints progress lines: redrawn in place on a terminal, whole lines at a
+/// throttled rate otherwise (train::ProgressThrottle decides which).
+class ProgressPrinter {
+ public:
+  ProgressPrinter(bool quiet, int64_t steps)
+      : quiet_(quiet),
+        interactive_(isatty(fileno(stdout)) != 0),
+        throttle_(interactive_, steps) {}
+
+  void operator()(const train::Progress& progress) {
+    if (quiet_ || !throttle_.should_show(progress, now_s())) {
+      return;
+    }
+    const auto line = train::format_progress(progress);
+    const bool keep = progress.val_loss || progress.checkpointed ||
+                      progress.step == progress.steps;
+    if (interactive_) {
+      // Redraw the line; keep it when it reports something.
+      fmt::print("\r{}\x1b[K{}", line, keep ? "\n" : "");
+    } else {
+      fmt::print("{}\n", line);
+    }
+    std::fflush(stdout);
+  }
+
+  /// Ends a line left open by an interrupted redraw.
+  void finish() {
+    if (!quiet_ && interactive_) {
+      fmt::print("\r\x1b[K");
+    }
+  }
+
+ private:
+  static double now_s() {
+    return std::chrono::duration<double>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  bool quiet_;
+  bool interactive_;
+  train::ProgressThrottle throttle_;
+};
+
+int64_t count_parameters(torch::nn::Module& module) {
+  int64_t count = 0;
+  for (const auto& parameter : module.parameters()) {
+    count += parameter.numel();
+  }
+  return count;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string runtime_note = tune_runtime_environment(argv);
+  CLI::App app{
+      "mha-train: trains toy models with the mha library. Tasks: reverse "
+      "(default) and sort teach a TransformerEncoder to reverse or sort "
+      "random digit sequences of variable length (padding masked); charlm "
+      "trains a small GPT-style character language model on a text. "
+      "Writes checkpoints, loss.csv and loss.svg under --out. Task-dependent "
+      "defaults are shown as [digit tasks / charlm]. Exit status: 0 done, 1 "
+      "training failed, 2 bad arguments."};
+  std::string task_name = "reverse";
+  app.add_option("--task", task_name, "reverse, sort or charlm")
+      ->check(CLI::IsMember({"reverse", "sort", "charlm"}));
+
+  // Training (defaults depend on the task, shown as digit / charlm).
+  std::optional<int64_t> steps, batch_size, warmup;
+  std::optional<double> lr, min_lr, weight_decay;
+  double grad_clip = 1.0;
+  app.add_option("--steps", steps, "optimisation steps [800]");
+  app.add_option("--batch-size", batch_size, "sequences per step [64 / 32]");
+  app.add_option("--lr", lr, "peak learning rate [2e-3 / 3e-3]");
+  app.add_option("--min-lr", min_lr, "final learning rate [1e-4]");
+  app.add_option("--warmup", warmup,
+                 "linear warmup steps [100, at most steps / 5]");
+  app.add_option("--weight-decay", weight_decay,
+                 "AdamW weight decay on matrices [0.01 / 0.1]");
+  app.add_option("--grad-clip", grad_clip,
+                 "clip the gradient norm to this, 0 = off")
+      ->capture_default_str();
+
+  // Model (defaults depend on the task).
+  std::optional<int64_t> d_model, heads, layers, ff;
+  std::optional<double> dropout;
+  app.add_option("--d-model", d_model, "model width [64 / 96]");
+  app.add_option("--heads", heads, "attention heads [4]");
+  app.add_option("--layers", layers, "encoder layers / blocks [2 / 3]");
+  app.add_option("--ff", ff,
+                 "feed-forward width of the digit model [256] (charlm: "
+                 "4 x d-model)");
+  app.add_option("--dropout", dropout, "dropout [0 / 0.1]");
+
+  // Digit tasks.
+  int64_t min_len = 1, max_len = 16, eval_sequences = 2000;
+  app.add_option("--min-len", min_len, "shortest digit sequence")
+      ->capture_default_str();
+  app.add_option("--max-len", max_len, "longest digit sequence")
+      ->capture_default_str();
+  app.add_option("--eval-sequences", eval_sequences,
+                 "held-out sequences for the final accuracy")
+      ->capture_default_str();
+
+  // Character language model.
+  std::string text_path = kDefaultText;
+  int64_t context = 64, sample_len = 400, top_k = 10;
+  double val_fraction = 0.1, temperature = 0.8;
+  std::string prompt;
+  app.add_option("--text", text_path, "charlm: training text file")
+      ->capture_default_str();
+  app.add_option("--context", context, "charlm: context length T")
+      ->capture_default_str();
+  app.add_option("--val-fraction", val_fraction,
+                 "charlm: the end of the text held out for validation")
+      ->capture_default_str();
+  app.add_option("--sample-len", sample_len,
+                 "charlm: characters to generate at the end")
+      ->capture_default_str();
+  app.add_option("--temperature", temperature, "charlm: sampling temperature")
+      ->capture_default_str();
+  app.add_option("--top-k", top_k,
+                 "charlm: sample among the k likeliest, 0 = all")
+      ->capture_default_str();
+  app.add_option("--prompt", prompt,
+                 "charlm: text the sample continues (default: the first "
+                 "validation character)");
+
+  // Run control.
+  uint64_t seed = 0;
+  std::string device_name = "cpu";
+  int threads = std::min(2, mha::tools::usable_cpus());  // see PERF-NOTES
+  std::string out_dir;
+  std::optional<int64_t> checkpoint_every, eval_every;
+  int64_t stop_at = 0;
+  bool resume = false, quiet = false;
+  app.add_option("--seed", seed, "seed of weights, data and dropout")
+      ->capture_default_str();
+  app.add_option("--device", device_name, "cpu or cuda")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--threads", threads, "CPU threads of LibTorch and OpenBLAS")
+      ->capture_default_str();
+  app.add_option("--out", out_dir,
+                 "directory of checkpoints, loss.csv and loss.svg "
+                 "[mha-train-<task>]");
+  app.add_option("--checkpoint-every", checkpoint_every,
+                 "checkpoint every N steps, and at the end [steps / 4]");
+  app.add_option("--eval-every", eval_every,
+                 "validate every N steps, and at the end [steps / 10]");
+  app.add_flag("--resume", resume,
+               "continue from the checkpoint in --out (same settings)");
+  app.add_option("--stop-at", stop_at,
+                 "stop after this step as if interrupted (the schedule still "
+                 "spans --steps); for --resume tests")
+      ->capture_default_str();
+  app.add_flag("--quiet", quiet, "no progress lines");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {
+      return app.exit(e);  // --help
+    }
+    return usage_error(e.what());
+  }
+
+  // Settings: the task's defaults, overridden by what was given.
+  const bool charlm = task_name == "charlm";
+  const TaskDefaults& d = charlm ? kCharDefaults : kDigitDefaults;
+  const int64_t n_steps = steps.value_or(d.steps);
+  train::TrainOptions options;
+  options.steps(n_steps)
+      .lr(lr.value_or(d.lr))
+      .min_lr(min_lr.value_or(d.min_lr))
+      .warmup_steps(warmup.value_or(std::min(d.warmup, n_steps / 5)))
+      .weight_decay(weight_decay.value_or(d.weight_decay))
+      .grad_clip(grad_clip)
+      .eval_every(eval_every.value_or(std::max<int64_t>(1, n_steps / 10)))
+      .checkpoint_every(
+          checkpoint_every.value_or(std::max<int64_t>(1, n_steps / 4)))
+      .out_dir(out_dir.empty() ? "mha-train-" + task_name : out_dir)
+      .resume(resume)
+      .stop_at(stop_at);
+  const int64_t n_batch = batch_size.value_or(d.batch_size);
+
+  // Checks that give one line and exit 2.
+  if (n_steps < 1) {
+    return usage_error(fmt::format("--steps must be >= 1, got {}", n_steps));
+  }
+  if (n_batch < 1) {
+    return usage_error(
+        fmt::format("--batch-size must be >= 1, got {}", n_batch));
+  }
+  if (threads < 1) {
+    return usage_error(fmt::format("--threads must be >= 1, got {}", threads));
+  }
+  if (charlm && (sample_len < 0 || temperature <= 0.0 || top_k < 0)) {
+    return usage_error(fmt::format(
+        "need --sample-len >= 0, --temperature > 0 and --top-k >= 0, got {}, "
+        "{:g} and {}",
+        sample_len, temperature, top_k));
+  }
+  if (!charlm && eval_sequences < 1) {
+    return usage_error(
+        fmt::format("--eval-sequences must be >= 1, got {}", eval_sequences));
+  }
+  if (stop_at < 0) {
+    return usage_error(fmt::format("--stop-at must be >= 0, got {}", stop_at));
+  }
+  torch::Device device(torch::kCPU);
+  if (device_name == "cuda") {
+    if (!torch::cuda::is_available()) {
+      return usage_error("--device cuda: CUDA is not available");
+    }
+    device = torch::Device(torch::kCUDA);
+  }
+  if (charlm) {
+    std::error_code error;
+    if (!std::filesystem::is_regular_file(text_path, error)) {
+      return usage_error(fmt::format("--text: no such file: '{}'", text_path));
+    }
+  }
+  const train::RunFiles files(options.out_dir());
+  if (resume && !std::filesystem::exists(files.trainer)) {
+    return usage_error(fmt::format(
+        "--resume: no checkpoint in '{}' (run without --resume first)",
+        files.checkpoint_dir));
+  }
+
+  at::set_num_threads(threads);
+  const bool openblas = set_openblas_threads(threads);
+
+  // The task: data and model. Invalid settings throw c10::Error here.
+  std::unique_ptr<train::TrainTask> task;
+  train::DigitTask* digit_task = nullptr;
+  train::CharLMTask* char_task = nullptr;
+  try {
+    train::validate(options);
+    if (charlm) {
+      auto text = train::read_text_file(text_path);
+      auto corpus = train::make_char_corpus(text, val_fraction, context);
+      const auto model_options =
+          train::CharLMOptions(corpus.vocab.size(), context)
+              .n_embd(d_model.value_or(d.d_model))
+              .n_head(heads.value_or(d.heads))
+              .n_layer(layers.value_or(d.layers))
+              .dropout(dropout.value_or(d.dropout));
+      auto owned = std::make_unique<train::CharLMTask>(
+          std::move(corpus), model_options, n_batch, seed, device);
+      char_task = owned.get();
+      task = std::move(owned);
+    } else {
+      const auto data = train::DigitDataOptions(
+                            task_name == "sort" ? train::DigitRule::kSort
+                                                : train::DigitRule::kReverse)
+                            .min_len(min_len)
+                            .max_len(max_len);
+      const auto model_options = train::DigitTransformerOptions(max_len)
+                                     .d_model(d_model.value_or(d.d_model))
+                                     .nhead(heads.value_or(d.heads))
+                                     .num_layers(layers.value_or(d.layers))
+                                     .dim_feedforward(ff.value_or(d.ff))
+                                     .dropout(dropout.value_or(d.dropout));
+      auto owned = std::make_unique<train::DigitTask>(data, model_options,
+                                                      n_batch, seed, device);
+      digit_task = owned.get();
+      task = std::move(owned);
+    }
+  } catch (const c10::Error& e) {
+    return usage_error(e.what_without_backtrace());
+  }
+
+  fmt::print(
+      "mha-train: {} | LibTorch {} | device {} | threads {}{} | seed {}\n",
+      task->name(), mha::detail::torch_version(), device.str(), threads,
+      openblas ? fmt::format(" (OpenBLAS {} too)", openblas_core()) : "", seed);
+  if (!runtime_note.empty()) {
+    fmt::print("environment set by mha-train: {}\n", runtime_note);
+  }
+  fmt::print(
+      "model: {} parameters | {} steps of {} sequences | lr {:g} -> {:g}, "
+      "warmup {} | out {}\n",
+      count_parameters(task->model()), options.steps(), n_batch, options.lr(),
+      options.min_lr(), options.warmup_steps(), options.out_dir());
+  double baseline = 0.0;
+  if (char_task != nullptr) {
+    baseline = char_task->unigram_baseline();
+    fmt::print(
+        "text: {} ({} characters, {} distinct); unigram baseline {:.4f} "
+        "nats/char\n",
+        text_path,
+        char_task->corpus().train.size(0) + char_task->corpus().val.size(0),
+        char_task->corpus().vocab.size(), baseline);
+  }
+  std::fflush(stdout);
+
+  ProgressPrinter printer(quiet, options.steps());
+  const auto start = std::chrono::steady_clock::now();
+  train::TrainResult result;
+  try {
+    result = train::train(*task, options, std::ref(printer));
+  } catch (const c10::Error& e) {
+    printer.finish();
+    fmt::print(stderr, "mha-train: {}\n", e.what_without_backtrace());
+    return 1;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  printer.finish();
+
+  if (result.last_step < result.first_step) {
+    fmt::print("nothing to do: the checkpoint is at step {} of {}\n",
+               result.first_step - 1, options.steps());
+  } else {
+    fmt::print(
+        "trained steps {}-{} in {}; checkpoint {}, loss curve {} and {}\n",
+        result.first_step, result.last_step, train::format_duration(seconds),
+        files.checkpoint_dir, files.loss_csv, files.loss_svg);
+  }
+  if (result.last_step < options.steps() &&
+      result.last_step >= result.first_step) {
+    fmt::print("stopped at step {} (--stop-at); continue with --resume\n",
+               result.last_step);
+    return 0;
+  }
+
+  if (digit_task != nullptr) {
+    const auto accuracy = digit_task->accuracy(eval_sequences);
+    fmt::print(
+        "held-out accuracy: {:.2f}% of {} sequences exactly right ({:.3f}% of "
+        "digits)\n",
+        100.0 * accuracy.sequence, accuracy.num_sequences,
+        100.0 * accuracy.token);
+  } else {
+    const double val = char_task->validation_loss();
+    fmt::print(
+        "validation loss {:.4f} nats/char vs unigram baseline {:.4f}: {:.4f} "
+        "below\n",
+        val, baseline, baseline - val);
+    const auto sampling =
+        train::SamplingOptions()
+            .temperature(temperature)
+            .top_k(top_k)
+            .seed(train::derive_seed(seed, 0, train::SeedStream::kSampling));
+    std::string sample;
+    try {
+      sample = char_task->sample(prompt, sample_len, sampling);
+    } catch (const c10::Error& e) {
+      return usage_error(e.what_without_backtrace());
+    }
+    fmt::print("sample (temperature {:g}, top-k {}):\n{}\n", temperature, top_k,
+               sample);
+  }
+  return 0;
+}
