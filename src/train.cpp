@@ -18,6 +18,7 @@
 #include <sstream>
 #include <utility>
 
+#include "mha/plot.h"
 #include "mha/state_dict.h"
 
 namespace mha::train {
@@ -334,15 +335,24 @@ void GPTBlockImpl::reset() {
 }
 
 torch::Tensor GPTBlockImpl::forward(const torch::Tensor& x) {
-  auto attended =
-      std::get<0>(attn->forward(ln_1(x), /*key=*/{}, /*value=*/{},
-                                /*key_padding_mask=*/{},
-                                /*need_weights=*/false, /*attn_mask=*/{},
-                                /*average_attn_weights=*/true,
-                                /*is_causal=*/true));  // (N, T, E)
-  auto h = x + dropout(attended);                      // (N, T, E)
+  return std::get<0>(forward_impl(x, /*need_weights=*/false));
+}
+
+std::tuple<torch::Tensor, torch::Tensor> GPTBlockImpl::forward_with_weights(
+    const torch::Tensor& x) {
+  return forward_impl(x, /*need_weights=*/true);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> GPTBlockImpl::forward_impl(
+    const torch::Tensor& x, bool need_weights) {
+  auto [attended, weights] = attn->forward(
+      ln_1(x), /*key=*/{}, /*value=*/{},
+      /*key_padding_mask=*/{}, need_weights, /*attn_mask=*/{},
+      /*average_attn_weights=*/false,
+      /*is_causal=*/true);         // (N, T, E), (N, H, T, T) or undefined
+  auto h = x + dropout(attended);  // (N, T, E)
   auto mlp = c_proj(torch::gelu(c_fc(ln_2(h))));  // (N,T,E)→(N,T,4E)→(N,T,E)
-  return h + dropout(mlp);                        // (N, T, E)
+  return {h + dropout(mlp), weights};             // (N, T, E)
 }
 
 CharLMImpl::CharLMImpl(const CharLMOptions& options_) : options(options_) {
@@ -392,6 +402,27 @@ torch::Tensor CharLMImpl::forward(const torch::Tensor& idx) {
   }
   x = ln_f(x);                           // (N, T, E)
   return torch::linear(x, wte->weight);  // (N,T,E)·(E,V) → (N, T, V)
+}
+
+std::vector<torch::Tensor> CharLMImpl::attention_weights(
+    const torch::Tensor& idx) {
+  TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= options.block_size(),
+              "CharLM::attention_weights: idx must be (N, T) with T <= "
+              "block_size = ",
+              options.block_size(), ", but got ", idx.sizes());
+  torch::NoGradGuard no_grad;
+  const bool was_training = is_training();
+  eval();
+  auto positions = torch::arange(idx.size(1), idx.options());  // (T)
+  auto x = wte(idx) + wpe(positions);                          // (N, T, E)
+  std::vector<torch::Tensor> weights;
+  for (const auto& block : *h) {
+    torch::Tensor w;
+    std::tie(x, w) = block->as<GPTBlockImpl>()->forward_with_weights(x);
+    weights.push_back(w.to(torch::kFloat));  // (N, H, T, T)
+  }
+  train(was_training);
+  return weights;
 }
 
 torch::Tensor generate(CharLM& model, const torch::Tensor& prompt,
@@ -928,6 +959,71 @@ std::string CharLMTask::sample(const std::string& prompt, int64_t length,
   auto prompt_ids = known.empty() ? corpus_.val.narrow(0, 0, 1)
                                   : corpus_.vocab.encode(known);  // (T0)
   return corpus_.vocab.decode(generate(model_, prompt_ids, length, options));
+}
+
+namespace {
+
+/// A character as an axis label: visible stand-ins for white space and
+/// control characters.
+std::string char_label(char c) {
+  switch (c) {
+    case ' ':
+      return "\u2423";  // ␣
+    case '\n':
+      return "\u23ce";  // ⏎
+    case '\t':
+      return "\u21e5";  // ⇥
+    default:
+      break;
+  }
+  const auto u = static_cast<unsigned char>(c);
+  if (u < 0x20 || u == 0x7f) {
+    return printf_string("\\x%02x", u);
+  }
+  return std::string(1, c);
+}
+
+}  // namespace
+
+std::vector<std::string> CharLMTask::plot_attention(const std::string& dir,
+                                                    int64_t length) {
+  const int64_t T = model_->options.block_size();
+  TORCH_CHECK(length >= 1 && length <= T,
+              "CharLMTask::plot_attention: length must be in [1, ", T,
+              "] (the context), but got ", length);
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  TORCH_CHECK(!error, "CharLMTask::plot_attention: cannot create directory '",
+              dir, "': ", error.message());
+  auto ids = corpus_.val.narrow(0, 0, length);  // (length)
+  const std::string text = corpus_.vocab.decode(ids);
+  plot::HeatmapOptions plot_options;
+  for (const char c : text) {
+    plot_options.row_labels.push_back(char_label(c));
+  }
+  plot_options.col_labels = plot_options.row_labels;
+  plot_options.cell_size = 12;
+  auto weights =
+      model_->attention_weights(ids.unsqueeze(0).to(device_));  // [(1,H,T,T)]
+  std::vector<std::string> paths;
+  for (size_t layer = 0; layer < weights.size(); ++layer) {
+    const int64_t heads = weights[layer].size(1);
+    plot_options.panel_titles.clear();
+    for (int64_t head = 0; head < heads; ++head) {
+      plot_options.panel_titles.push_back(printf_string(
+          "layer %zu, head %lld", layer, static_cast<long long>(head)));
+    }
+    plot_options.title = printf_string(
+        "char LM attention, layer %zu: row = predicting after that "
+        "character, column = attended character",
+        layer);
+    const auto path =
+        (std::filesystem::path(dir) / printf_string("layer%zu.svg", layer))
+            .string();
+    plot::write_heatmap_svg(weights[layer][0], path, plot_options);
+    paths.push_back(path);
+  }
+  return paths;
 }
 
 // ------------------------------------------------------- checkpoints ---

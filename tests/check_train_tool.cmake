@@ -1,7 +1,8 @@
 # Checks mha-train end to end on tiny settings: bad arguments give one line
 # and exit 2; a run writes its checkpoint, loss.csv and loss.svg and prints
 # the accuracy; a run stopped at step k and resumed writes the same losses
-# as the uninterrupted run; --task charlm prints the baseline and a sample.
+# as the uninterrupted run; --task charlm prints the baseline and a sample
+# and draws its attention maps.
 # Variables: TOOL (the mha-train executable), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -35,6 +36,12 @@ expect_usage_error("too short for a context of 64" --task charlm
 expect_usage_error("no checkpoint" --resume --out ${WORK_DIR}/nothing-here)
 expect_usage_error("--steps must be >= 1" --steps 0)
 expect_usage_error("--no-such-flag" --no-such-flag)
+expect_usage_error("apply to --task charlm only" --plot-attention maps)
+expect_usage_error("--plot-length must be in \\[1, --context = 64\\], got 65"
+                   --task charlm --plot-length 65)
+file(WRITE ${WORK_DIR}/a-file "")
+expect_usage_error("--plot-attention: cannot write to directory"
+                   --task charlm --plot-attention ${WORK_DIR}/a-file/maps)
 run_tool(0 --help)
 
 # A tiny reverse run, uninterrupted.
@@ -96,10 +103,19 @@ endforeach()
 file(WRITE ${WORK_DIR}/cats.txt "${text}")
 run_tool(0 --task charlm --text ${WORK_DIR}/cats.txt --context 32 --d-model 32
          --heads 2 --layers 1 --batch-size 8 --steps 20 --warmup 2
-         --sample-len 30 --prompt "the " --out charlm --quiet)
+         --sample-len 30 --prompt "the " --out charlm --quiet
+         --plot-attention maps --plot-length 12)
 if(NOT last_out MATCHES "unigram baseline [0-9.]+ nats/char"
    OR NOT last_out MATCHES "validation loss [0-9.]+ nats/char"
-   OR NOT last_out MATCHES "sample \\(temperature 0.8, top-k 10\\):\nthe ")
-  message(FATAL_ERROR "charlm output lacks the baseline, loss or sample:\n${last_out}")
+   OR NOT last_out MATCHES "sample \\(temperature 0.8, top-k 10\\):\nthe "
+   OR NOT last_out MATCHES "attention maps \\(1 layers x 2 heads, 12 validation characters\\): maps/layer0.svg")
+  message(FATAL_ERROR "charlm output lacks the baseline, loss, sample or maps:\n${last_out}")
+endif()
+file(READ ${WORK_DIR}/maps/layer0.svg svg)
+string(REGEX MATCHALL "class=\"cell masked\"" masked "${svg}")
+list(LENGTH masked masked_count)
+if(NOT svg MATCHES "layer 0, head 1" OR NOT masked_count EQUAL 132)
+  message(FATAL_ERROR "maps/layer0.svg: expected 2 head panels with 66 masked "
+                      "cells each, got ${masked_count} masked cells")
 endif()
 message(STATUS "mha-train: exit codes, files, exact resume and charlm ok")

@@ -239,6 +239,42 @@ TEST(TrainModelTest, CharLMTiesItsHeadAndIsCausal) {
                    "T <= block_size = 8, but got [1, 9]");
 }
 
+// The maps mha-train --plot-attention draws: block 0's weights equal a hand
+// computation from the embeddings (softmax(q kᵀ / sqrt(d)) under a causal
+// mask), block 1's rows are distributions that are 0 right of the diagonal.
+TEST(TrainModelTest, CharLMAttentionWeightsMatchAHandComputation) {
+  torch::manual_seed(0);
+  const int64_t E = 16, H = 2, T = 6, d = E / H;
+  train::CharLM lm(train::CharLMOptions(/*vocab_size=*/9, /*block_size=*/8)
+                       .n_embd(E)
+                       .n_head(H)
+                       .n_layer(2)
+                       .dropout(0.1));
+  auto idx = torch::randint(9, {3, T});
+  auto weights = lm->attention_weights(idx);
+  ASSERT_EQ(weights.size(), 2u);
+  EXPECT_TRUE(lm->is_training());  // mode restored
+
+  torch::NoGradGuard no_grad;
+  auto* block = lm->h[0]->as<train::GPTBlockImpl>();
+  auto x = block->ln_1(lm->wte(idx) + lm->wpe(torch::arange(T)));  // (N,T,E)
+  auto qkv = torch::linear(x, block->attn->in_proj_weight,
+                           block->attn->in_proj_bias);  // (N, T, 3E)
+  auto q = qkv.narrow(2, 0, E).view({3, T, H, d}).transpose(1, 2);
+  auto k = qkv.narrow(2, E, E).view({3, T, H, d}).transpose(1, 2);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(d));
+  auto future = torch::ones({T, T}, torch::kBool).triu(1);
+  auto expected = scores.masked_fill(future, -INFINITY).softmax(-1);
+  ASSERT_EQ(weights[0].sizes(), (std::vector<int64_t>{3, H, T, T}));
+  expect_close(weights[0], expected, 1e-6);
+
+  ASSERT_EQ(weights[1].sizes(), (std::vector<int64_t>{3, H, T, T}));
+  expect_close(weights[1].sum(-1), torch::ones({3, H, T}), 1e-6);
+  EXPECT_EQ(weights[1].masked_select(future).abs().max().item<float>(), 0.0f);
+  EXPECT_THROW_MSG(lm->attention_weights(torch::randint(9, {1, 9})),
+                   "T <= block_size = 8, but got [1, 9]");
+}
+
 TEST(TrainModelTest, GenerateIsSeededAndTopOneIsGreedy) {
   torch::manual_seed(0);
   train::CharLM lm(train::CharLMOptions(7, 6).n_embd(16).n_head(2).n_layer(1));
@@ -517,6 +553,33 @@ TEST(TrainOutputTest, LossCurveCsvAndSvg) {
       train::write_loss_csv(records, dir.path() + "/no/such/dir.csv"),
       "cannot write");
   EXPECT_THROW_MSG(train::write_loss_svg({}, "t", svg_path), "no records");
+}
+
+TEST(TrainOutputTest, PlotAttentionWritesOneLabelledSvgPerLayer) {
+  TempDir dir("plot_attention");
+  auto task = tiny_char_task();
+  const auto out = dir.path() + "/maps";
+  const auto paths = task.plot_attention(out, /*length=*/10);
+  ASSERT_EQ(paths, std::vector<std::string>{out + "/layer0.svg"});
+  const auto svg = read_file(paths[0]);
+  EXPECT_NE(svg.find("layer 0, head 0"), std::string::npos);
+  EXPECT_NE(svg.find("layer 0, head 1"), std::string::npos);
+  // 2 heads x 10 x 10 cells, 45 per head right of the diagonal masked.
+  size_t cells = 0, masked = 0;
+  for (size_t at = svg.find("class=\"cell"); at != std::string::npos;
+       at = svg.find("class=\"cell", at + 1)) {
+    ++cells;
+    masked += svg.compare(at, 19, "class=\"cell masked\"") == 0;
+  }
+  EXPECT_EQ(cells, 200u);
+  EXPECT_EQ(masked, 90u);
+  // Labelled with the validation text's characters, the space shown as ␣.
+  const auto text =
+      task.corpus().vocab.decode(task.corpus().val.narrow(0, 0, 10));
+  ASSERT_NE(text.find(' '), std::string::npos);
+  EXPECT_NE(svg.find(">\u2423</text>"), std::string::npos);
+  EXPECT_THROW_MSG(task.plot_attention(out, 33), "length must be in [1, 32]");
+  EXPECT_THROW_MSG(task.plot_attention(out, 0), "length must be in [1, 32]");
 }
 
 TEST(TrainOutputTest, ProgressLinesAreThrottledInLogs) {

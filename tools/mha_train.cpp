@@ -260,6 +260,13 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", prompt,
                  "charlm: text the sample continues (default: the first "
                  "validation character)");
+  std::string plot_dir;
+  std::optional<int64_t> plot_length;
+  app.add_option("--plot-attention", plot_dir,
+                 "charlm: write DIR/layer<l>.svg at the end, the attention "
+                 "maps of every head over a validation sample");
+  app.add_option("--plot-length", plot_length,
+                 "charlm: characters of that sample [48, at most --context]");
 
   // Run control.
   uint64_t seed = 0;
@@ -335,6 +342,26 @@ int main(int argc, char** argv) {
         "need --sample-len >= 0, --temperature > 0 and --top-k >= 0, got {}, "
         "{:g} and {}",
         sample_len, temperature, top_k));
+  }
+  if (!charlm && (!plot_dir.empty() || plot_length)) {
+    return usage_error(
+        "--plot-attention and --plot-length apply to --task "
+        "charlm only");
+  }
+  const int64_t n_plot = plot_length.value_or(std::min<int64_t>(48, context));
+  if (charlm && (n_plot < 1 || n_plot > context)) {
+    return usage_error(
+        fmt::format("--plot-length must be in [1, --context = {}], got {}",
+                    context, n_plot));
+  }
+  if (!plot_dir.empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(plot_dir, error);
+    if (error || access(plot_dir.c_str(), W_OK) != 0) {
+      return usage_error(
+          fmt::format("--plot-attention: cannot write to directory '{}'{}",
+                      plot_dir, error ? ": " + error.message() : ""));
+    }
   }
   if (!charlm && eval_sequences < 1) {
     return usage_error(
@@ -487,6 +514,22 @@ int main(int argc, char** argv) {
     }
     fmt::print("sample (temperature {:g}, top-k {}):\n{}\n", temperature, top_k,
                sample);
+    if (!plot_dir.empty()) {
+      try {
+        const auto paths = char_task->plot_attention(plot_dir, n_plot);
+        std::string listed;
+        for (const auto& path : paths) {
+          listed += " " + path;
+        }
+        fmt::print(
+            "attention maps ({} layers x {} heads, {} validation "
+            "characters):{}\n",
+            paths.size(), char_task->lm()->options.n_head(), n_plot, listed);
+      } catch (const c10::Error& e) {
+        fmt::print(stderr, "mha-train: {}\n", e.what_without_backtrace());
+        return 1;
+      }
+    }
   }
   return 0;
 }

@@ -30,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -249,6 +250,10 @@ class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
   explicit GPTBlockImpl(const CharLMOptions& options_);
   /// x (N, T, E) → (N, T, E); position t sees positions <= t only.
   torch::Tensor forward(const torch::Tensor& x);
+  /// forward(x) and the attention weights of every head, (N, H, T, T)
+  /// (row t: how position t weighs positions 0..T-1; 0 right of t).
+  std::tuple<torch::Tensor, torch::Tensor> forward_with_weights(
+      const torch::Tensor& x);
   /// Checks the options and (re)creates the submodules (LibTorch's default
   /// initialisation; CharLM re-initialises them as nanoGPT).
   void reset() override;
@@ -260,6 +265,10 @@ class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
   torch::nn::Linear c_fc = nullptr;
   torch::nn::Linear c_proj = nullptr;
   torch::nn::Dropout dropout = nullptr;
+
+ private:
+  std::tuple<torch::Tensor, torch::Tensor> forward_impl(const torch::Tensor& x,
+                                                        bool need_weights);
 };
 
 /// Holder of GPTBlockImpl.
@@ -288,6 +297,13 @@ class CharLMImpl : public torch::nn::Cloneable<CharLMImpl> {
   /// (N, T, V), float32: position t predicts character t + 1 from
   /// characters 0..t. Throws c10::Error if T > block_size.
   torch::Tensor forward(const torch::Tensor& idx);
+
+  /// The attention weights of every block for idx (N, T) as in forward:
+  /// one (N, H, T, T) float32 tensor per block, in order (row t of head h
+  /// of block l: how that head weighs characters 0..t when predicting
+  /// character t + 1; exactly 0 right of t). Runs in eval mode without
+  /// gradients and restores the model's mode. Throws as forward.
+  std::vector<torch::Tensor> attention_weights(const torch::Tensor& idx);
 
   /// Checks the options, (re)creates the submodules and initialises them.
   void reset() override;
@@ -477,6 +493,16 @@ class CharLMTask : public TrainTask {
   /// of the validation text). Returns the prompt followed by the sample.
   std::string sample(const std::string& prompt, int64_t length,
                      const SamplingOptions& options);
+
+  /// Writes `dir`/layer<l>.svg for every block l: one heatmap panel per
+  /// head ("layer l, head h") of the attention weights over the first
+  /// `length` characters of the validation text (1 <= length <=
+  /// block_size), both axes labelled with those characters (space as
+  /// '␣', newline as '⏎', tab as '⇥'). Creates `dir` if needed. Returns the
+  /// paths written. Throws c10::Error for a bad length or an unwritable
+  /// directory or file.
+  std::vector<std::string> plot_attention(const std::string& dir,
+                                          int64_t length);
 
   const CharCorpus& corpus() const { return corpus_; }
   CharLM& lm() { return model_; }
