@@ -46,28 +46,8 @@ constexpr char kRowFormat[] =
     "{:<16} {:<12} {:>4} {:>26} {:>26} {:>6} {:>8} {:>8} {:>9} {:>9} {:>6}  "
     "{}\n";
 
-/// Set in the environment across the re-exec that applies OMP_WAIT_POLICY.
-constexpr const char* kReexecMarker = "MHA_BENCH_SET_OMP_WAIT_POLICY";
-
-/// OpenMP (libgomp) reads OMP_WAIT_POLICY once, when it is loaded, which is
-/// before main: a setenv here would come too late. So when the variable is
-/// unset, the tool sets it to PASSIVE and executes itself again. Returns how
-/// the value in force came to be.
-std::string apply_omp_wait_policy(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-    setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/1);
-    setenv(kReexecMarker, "1", /*overwrite=*/1);
-    execv("/proc/self/exe", argv);
-    unsetenv(kReexecMarker);
-    return "set by mha-bench, but re-executing itself failed: OpenMP "
-           "read the environment before, so it may have no effect";
-  }
-  if (std::getenv(kReexecMarker) != nullptr) {
-    unsetenv(kReexecMarker);
-    return "was unset: mha-bench re-executed itself with it";
-  }
-  return "from the environment";
-}
+/// Set in the environment across tune_runtime_environment's re-execution.
+constexpr const char* kReexecMarker = "MHA_BENCH_REEXECUTED";
 
 std::string self_executable() {
   std::vector<char> buffer(4096);
@@ -208,7 +188,8 @@ double geometric_mean(const std::vector<double>& v) {
 
 int main(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
-  const std::string wait_policy_source = apply_omp_wait_policy(argv);
+  const std::string runtime_note =
+      mha::tools::tune_runtime_environment(argv, kReexecMarker);
 
   CLI::App app{
       "mha-bench: times mha against torch::nn (MultiheadAttention, "
@@ -399,17 +380,31 @@ int main(int argc, char** argv) {
       "process\n");
   fmt::print("CPU:       {}, {} online, {} usable by this process\n", cpu,
              online, usable);
-  fmt::print("BLAS:      {}{}\n", blas,
-             openblas ? fmt::format(" ({}, {} threads)", openblas->config,
-                                    openblas->num_threads)
-                      : "");
+  const std::string openblas_core = mha::tools::openblas_core();
+  const std::string coretype = mha::tools::env_or_unset("OPENBLAS_CORETYPE");
+  const auto source = [&](const char* variable) {
+    return runtime_note.find(variable) != std::string::npos
+               ? "set by mha-bench"
+               : "from the environment";
+  };
+  fmt::print(
+      "BLAS:      {}{}\n", blas,
+      openblas
+          ? fmt::format(" ({}, {} threads, kernels {}; "
+                        "OPENBLAS_CORETYPE {}{})",
+                        openblas->config, openblas->num_threads, openblas_core,
+                        coretype,
+                        coretype == "unset"
+                            ? ""
+                            : fmt::format(" ({})", source("OPENBLAS_CORETYPE")))
+          : "");
   fmt::print("LibTorch:  {}, device {}, dtype {}\n",
              mha::detail::torch_version(), device_name, dtype_name);
   fmt::print(
       "Threads:   at::get_num_threads() = {}; OMP_WAIT_POLICY={} ({}); "
       "OMP_NUM_THREADS {}; OPENBLAS_NUM_THREADS {} (OpenBLAS uses {})\n",
-      at::get_num_threads(), wait_policy, wait_policy_source, omp_threads,
-      blas_threads_env, openblas_threads);
+      at::get_num_threads(), wait_policy, source("OMP_WAIT_POLICY"),
+      omp_threads, blas_threads_env, openblas_threads);
   std::fflush(stdout);
   const auto gemm = mha::bench::measure_gemm(gemm_n, /*reps=*/5, settings);
   fmt::print(
@@ -540,7 +535,10 @@ int main(int argc, char** argv) {
         {"dtype", dtype_name},
         {"intra_op_threads", at::get_num_threads()},
         {"omp_wait_policy", wait_policy},
-        {"omp_wait_policy_source", wait_policy_source},
+        {"omp_wait_policy_source", source("OMP_WAIT_POLICY")},
+        {"openblas_core", openblas_core},
+        {"openblas_coretype_env", coretype},
+        {"environment_set_by_mha_bench", runtime_note},
         {"omp_num_threads_env", omp_threads},
         {"openblas_num_threads_env", blas_threads_env},
         {"gemm",

@@ -78,59 +78,8 @@ bool set_openblas_threads(int threads) {
   return true;
 }
 
-/// The kernel set OpenBLAS chose ("SkylakeX", "Prescott", ...), or "" when
-/// OpenBLAS is not loaded.
-std::string openblas_core() {
-  using GetCore = char* (*)();
-  auto get =
-      reinterpret_cast<GetCore>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
-  return get != nullptr ? std::string(get()) : std::string();
-}
-
-/// Set in the environment across the re-execution below.
+/// Set in the environment across tune_runtime_environment's re-execution.
 constexpr const char* kReexecMarker = "MHA_TRAIN_REEXECUTED";
-
-/// Two runtime settings that only the environment controls, read when the
-/// libraries load (before main), so that mha-train sets them and executes
-/// itself again, once, when they are unset:
-///   * OMP_WAIT_POLICY=PASSIVE: idle OpenMP workers sleep instead of
-///     spinning against OpenBLAS's threads for the same cores
-///     (PERF-NOTES: spinning made small calls bimodal);
-///   * OPENBLAS_CORETYPE: OpenBLAS 0.3.21 (Debian 12) does not recognise
-///     recent Intel CPUs (this machine's model 207) and falls back to its
-///     SSE3 "Prescott" kernels, which made training steps 1.5-2x slower here
-///     than the AVX-512 (SkylakeX) or AVX2 (Haswell) kernels the CPU runs.
-/// Returns a note of what was set, or "" when nothing was.
-std::string tune_runtime_environment(char** argv) {
-  if (std::getenv(kReexecMarker) != nullptr) {
-    const std::string note = std::getenv(kReexecMarker);
-    unsetenv(kReexecMarker);
-    return note;
-  }
-  std::string note;
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-    setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/1);
-    note += "OMP_WAIT_POLICY=PASSIVE";
-  }
-  if (std::getenv("OPENBLAS_CORETYPE") == nullptr &&
-      openblas_core() == "Prescott") {
-    const char* core = __builtin_cpu_supports("avx512f") ? "SKYLAKEX"
-                       : __builtin_cpu_supports("avx2")  ? "HASWELL"
-                                                         : nullptr;
-    if (core != nullptr) {
-      setenv("OPENBLAS_CORETYPE", core, /*overwrite=*/1);
-      note +=
-          std::string(note.empty() ? "" : " ") + "OPENBLAS_CORETYPE=" + core;
-    }
-  }
-  if (note.empty()) {
-    return note;
-  }
-  setenv(kReexecMarker, note.c_str(), /*overwrite=*/1);
-  execv("/proc/self/exe", argv);
-  unsetenv(kReexecMarker);  // exec failed: carry on untuned
-  return "";
-}
 
 /// Prints progress lines: redrawn in place on a terminal, whole lines at a
 /// throttled rate otherwise (train::ProgressThrottle decides which).
@@ -187,7 +136,8 @@ int64_t count_parameters(torch::nn::Module& module) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string runtime_note = tune_runtime_environment(argv);
+  const std::string runtime_note =
+      mha::tools::tune_runtime_environment(argv, kReexecMarker);
   CLI::App app{
       "mha-train: trains toy models with the mha library. Tasks: reverse "
       "(default) and sort teach a TransformerEncoder to reverse or sort "
@@ -436,7 +386,9 @@ int main(int argc, char** argv) {
   fmt::print(
       "mha-train: {} | LibTorch {} | device {} | threads {}{} | seed {}\n",
       task->name(), mha::detail::torch_version(), device.str(), threads,
-      openblas ? fmt::format(" (OpenBLAS {} too)", openblas_core()) : "", seed);
+      openblas ? fmt::format(" (OpenBLAS {} too)", mha::tools::openblas_core())
+               : "",
+      seed);
   if (!runtime_note.empty()) {
     fmt::print("environment set by mha-train: {}\n", runtime_note);
   }

@@ -58,6 +58,60 @@ inline std::optional<OpenBlasInfo> openblas_info() {
   return info;
 }
 
+/// The kernel set OpenBLAS chose ("SkylakeX", "Haswell", "Prescott", ...),
+/// or "" when OpenBLAS is not loaded.
+inline std::string openblas_core() {
+  using GetCore = char* (*)();
+  auto get =
+      reinterpret_cast<GetCore>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  return get != nullptr ? std::string(get()) : std::string();
+}
+
+/// Two runtime settings that only the environment controls, read when the
+/// libraries load (before main), so the tool sets them and executes itself
+/// again, once, when they are unset:
+///   * OMP_WAIT_POLICY=PASSIVE: idle OpenMP workers sleep instead of
+///     spinning against OpenBLAS's threads for the same cores
+///     (PERF-NOTES: spinning made small calls bimodal);
+///   * OPENBLAS_CORETYPE: OpenBLAS 0.3.21 (Debian 12) does not recognise
+///     recent Intel CPUs (this machine's model 207) and falls back to its
+///     SSE3 "Prescott" kernels, several times slower than the AVX-512
+///     (SkylakeX) or AVX2 (Haswell) kernels the CPU runs. Set only when
+///     OpenBLAS picked Prescott on a CPU with AVX2 or AVX-512.
+/// Both are process-wide: every contender of a benchmark runs under them.
+/// `marker` names the environment variable that carries the note across
+/// the re-execution. Returns a note of what was set ("" when nothing was).
+inline std::string tune_runtime_environment(char** argv, const char* marker) {
+  if (const char* carried = std::getenv(marker)) {
+    const std::string note = carried;
+    unsetenv(marker);
+    return note;
+  }
+  std::string note;
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/1);
+    note += "OMP_WAIT_POLICY=PASSIVE";
+  }
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr &&
+      openblas_core() == "Prescott") {
+    const char* core = __builtin_cpu_supports("avx512f") ? "SKYLAKEX"
+                       : __builtin_cpu_supports("avx2")  ? "HASWELL"
+                                                         : nullptr;
+    if (core != nullptr) {
+      setenv("OPENBLAS_CORETYPE", core, /*overwrite=*/1);
+      note +=
+          std::string(note.empty() ? "" : " ") + "OPENBLAS_CORETYPE=" + core;
+    }
+  }
+  if (note.empty()) {
+    return note;
+  }
+  setenv(marker, note.c_str(), /*overwrite=*/1);
+  execv("/proc/self/exe", argv);
+  unsetenv(marker);  // exec failed: carry on untuned
+  return "";
+}
+
 /// The first "model name" of /proc/cpuinfo, or "unknown".
 inline std::string cpu_model() {
   std::ifstream cpuinfo("/proc/cpuinfo");
