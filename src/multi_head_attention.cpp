@@ -7,6 +7,7 @@
 
 #include "attention_core.h"
 #include "mha/masks.h"
+#include "projection.h"
 
 namespace mha {
 namespace {
@@ -301,33 +302,27 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
   const int64_t E = m.options.embed_dim();
   const auto& b = m.in_proj_bias;
   if (!m.packed_in_proj()) {
-    return {torch::nn::functional::linear(query, m.q_proj_weight,
-                                          slice_rows(b, 0, E)),
-            torch::nn::functional::linear(key, m.k_proj_weight,
-                                          slice_rows(b, 1, E)),
-            torch::nn::functional::linear(value, m.v_proj_weight,
-                                          slice_rows(b, 2, E))};
+    return {detail::project(query, m.q_proj_weight, slice_rows(b, 0, E)),
+            detail::project(key, m.k_proj_weight, slice_rows(b, 1, E)),
+            detail::project(value, m.v_proj_weight, slice_rows(b, 2, E))};
   }
   const auto& w = m.in_proj_weight;
   if (self_attention) {
-    auto qkv = torch::nn::functional::linear(query, w, b);  // (N, L, 3E)
+    auto qkv = detail::project(query, w, b);  // (N, L, 3E)
     auto parts = qkv.chunk(3, /*dim=*/-1);
     return {parts[0], parts[1], parts[2]};  // (N, L, E) each
   }
-  auto q = torch::nn::functional::linear(query, slice_rows(w, 0, E),
-                                         slice_rows(b, 0, E));  // (N, L, E)
+  auto q = detail::project(query, slice_rows(w, 0, E),
+                           slice_rows(b, 0, E));  // (N, L, E)
   if (key_is_value) {
-    auto kv = torch::nn::functional::linear(
-        key, w.narrow(0, E, 2 * E),
-        b.defined() ? b.narrow(0, E, 2 * E) : b);  // (N, S, 2E)
+    auto kv =
+        detail::project(key, w.narrow(0, E, 2 * E),
+                        b.defined() ? b.narrow(0, E, 2 * E) : b);  // (N, S, 2E)
     auto parts = kv.chunk(2, /*dim=*/-1);
     return {q, parts[0], parts[1]};
   }
-  return {q,
-          torch::nn::functional::linear(key, slice_rows(w, 1, E),
-                                        slice_rows(b, 1, E)),
-          torch::nn::functional::linear(value, slice_rows(w, 2, E),
-                                        slice_rows(b, 2, E))};
+  return {q, detail::project(key, slice_rows(w, 1, E), slice_rows(b, 1, E)),
+          detail::project(value, slice_rows(w, 2, E), slice_rows(b, 2, E))};
 }
 
 }  // namespace
@@ -394,7 +389,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   auto result = detail::attention_core(q, k, v, mask, is_causal && !extra_keys,
                                        p_drop, scale, weights_mode);
   // (N, H, L, D) → (N, L, E) → out_proj
-  auto output = out_proj->forward(merge_heads(result.output));  // (N, L, E)
+  auto output = detail::project(merge_heads(result.output), out_proj->weight,
+                                out_proj->bias);  // (N, L, E)
   // (N, L, S') averaged over heads, or (N, H, L, S'), or undefined
   auto weights = result.weights;
   if (!in.batched) {

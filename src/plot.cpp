@@ -154,9 +154,8 @@ std::string heatmap_svg(const torch::Tensor& weights,
   const int title_h = options.title.empty() ? 0 : 28;
   const int legend_h = 56;
   // About 8 px per character of the 14 px title.
-  const int width =
-      std::max({static_cast<int>(columns) * panel_w, 330,
-                20 + 8 * static_cast<int>(options.title.size())});
+  const int width = std::max({static_cast<int>(columns) * panel_w, 330,
+                              20 + 8 * static_cast<int>(options.title.size())});
   const int height = title_h + static_cast<int>(grid_rows) * panel_h + legend_h;
 
   std::ostringstream svg;

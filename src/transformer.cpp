@@ -6,6 +6,7 @@
 #include <string>
 
 #include "mha/detail/compat.h"
+#include "projection.h"
 
 namespace mha {
 
@@ -146,10 +147,10 @@ torch::Tensor TransformerEncoderLayerImpl::self_attention_block(
 
 torch::Tensor TransformerEncoderLayerImpl::feed_forward_block(
     const torch::Tensor& x) {
-  auto hidden = linear1->forward(x);  // (..., F)
+  auto hidden = detail::project(x, linear1->weight, linear1->bias);  // (..., F)
   const auto& activation = options.activation();
   if (detail::variant_get_if<torch::enumtype::kReLU>(activation)) {
-    hidden = torch::relu(hidden);
+    hidden.relu_();  // in place: hidden is this block's own temporary
   } else if (detail::variant_get_if<torch::enumtype::kGELU>(activation)) {
     hidden = torch::gelu(hidden);
   } else {
@@ -157,7 +158,8 @@ torch::Tensor TransformerEncoderLayerImpl::feed_forward_block(
               std::function<torch::Tensor(const torch::Tensor&)>>(activation))(
         hidden);
   }
-  return dropout2->forward(linear2->forward(dropout->forward(hidden)));
+  return dropout2->forward(detail::project(dropout->forward(hidden),
+                                           linear2->weight, linear2->bias));
 }
 
 torch::Tensor TransformerEncoderLayerImpl::forward(
