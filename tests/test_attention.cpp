@@ -921,6 +921,45 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathEqualsExplicitPath) {
   }
 }
 
+// The default block sizes: several 256-row blocks when causal (L = 520),
+// and 128-row blocks when S is long (S = 8400, 2^20 / S < 128).
+TEST_F(ScaledDotProductAttentionTest, BlockedPathWithDefaultBlocks) {
+  using mha::detail::WeightsMode;
+  struct Shape {
+    int64_t L, S;
+    bool is_causal;
+  };
+  for (const auto& shape : {Shape{520, 520, true}, Shape{200, 8400, false},
+                            Shape{200, 8400, true}}) {
+    SCOPED_TRACE("L=" + std::to_string(shape.L) + ", S=" +
+                 std::to_string(shape.S) + (shape.is_causal ? ", causal" : ""));
+    auto q = torch::randn({1, 2, shape.L, 8});
+    auto k = torch::randn({1, 2, shape.S, 8});
+    auto v = torch::randn({1, 2, shape.S, 8});
+    auto padding = torch::zeros({1, 1, 1, shape.S});  // last keys blocked
+    padding.narrow(3, shape.S - 7, 7).fill_(-INFINITY);
+    auto g = torch::randn({1, 2, shape.L, 8});
+    std::vector<torch::Tensor> results;
+    for (bool blocked : {true, false}) {
+      auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(),
+           vg = v.clone().requires_grad_();
+      auto r = blocked ? mha::detail::blocked_attention(qg, kg, vg, padding,
+                                                        shape.is_causal, 0.35,
+                                                        WeightsMode::kAverage)
+                       : mha::detail::explicit_attention(
+                             qg, kg, vg, padding, shape.is_causal, 0.0, 0.35,
+                             WeightsMode::kAverage);
+      (r.output * g).sum().backward();
+      results.insert(results.end(), {r.output.detach(), r.weights.detach(),
+                                     qg.grad(), kg.grad()});
+    }
+    const char* names[] = {"output", "weights", "query grad", "key grad"};
+    for (int i = 0; i < 4; ++i) {
+      expect_close(results[i], results[i + 4], 2e-6, 2e-6, names[i]);
+    }
+  }
+}
+
 TEST_F(ScaledDotProductAttentionTest, BlockedPathUnderNoGradAndLowRanks) {
   using mha::detail::WeightsMode;
   // 2-D and 3-D inputs, and inference (no autograd graph at all).

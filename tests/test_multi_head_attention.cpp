@@ -425,6 +425,40 @@ TEST_F(MultiHeadAttentionTest, UnbatchedAndSeqFirstShapes) {
   expect_close(w_sf, w_bf, 1e-6, 0, "weights are (N, L, S) in both layouts");
 }
 
+// The projections run on whatever layout the input arrives in (contiguous
+// seq-first, a transposed view, a strided slice that is neither): all give
+// torch::nn's output and input gradients, with and without bias.
+TEST_F(MultiHeadAttentionTest, ProjectionsAgreeAcrossInputLayouts) {
+  const int64_t L = 5, N = 3, E = 8;
+  for (bool bias : {true, false}) {
+    SCOPED_TRACE(bias ? "bias" : "no bias");
+    mha::MultiHeadAttention seq(
+        mha::MultiHeadAttentionOptions(E, 2).batch_first(false).bias(bias));
+    torch::nn::MultiheadAttention ref(
+        torch::nn::MultiheadAttentionOptions(E, 2).bias(bias));
+    mha::copy_weights(seq, ref);
+    auto wide = torch::randn({L, N, 2 * E});
+    auto x_strided = wide.narrow(2, 1, E);  // rows of stride 2E: a slice
+    ASSERT_FALSE(x_strided.is_contiguous());
+    ASSERT_FALSE(x_strided.transpose(0, 1).is_contiguous());
+    auto x_seq = x_strided.contiguous();                // (L, N, E)
+    auto x_batch = x_seq.transpose(0, 1).contiguous();  // (N, L, E)
+    auto x_seq_view = x_batch.transpose(0, 1);          // a view
+    auto [expected, w_ref] = ref(x_seq, x_seq, x_seq);
+    auto grad = torch::randn({L, N, E});
+    std::vector<torch::Tensor> inputs = {x_seq, x_seq_view, x_strided};
+    for (auto& x : inputs) {
+      auto xg = x.detach().requires_grad_();
+      auto [out, w] = seq(xg, xg, xg);
+      expect_close(out, expected, 2e-6, 0, "output vs torch::nn");
+      (out * grad).sum().backward();
+      auto xr = x_seq.detach().clone().requires_grad_();
+      (std::get<0>(ref(xr, xr, xr)) * grad).sum().backward();
+      expect_close(xg.grad(), xr.grad(), 2e-6, 0, "input grad vs torch::nn");
+    }
+  }
+}
+
 TEST_F(MultiHeadAttentionTest, DropoutOnlyInTraining) {
   mha::MultiHeadAttention m(mha::MultiHeadAttentionOptions(16, 4).dropout(0.5));
   auto x = torch::randn({4, 32, 16});
