@@ -12,6 +12,8 @@
 #include <iomanip>
 #include <sstream>
 
+#include "xml_escape.h"
+
 namespace mha::plot {
 namespace {
 
@@ -63,37 +65,6 @@ std::string label(const std::vector<std::string>& labels, int64_t i) {
 std::string panel_title(const HeatmapOptions& options, int64_t h) {
   return options.panel_titles.empty() ? "head " + std::to_string(h)
                                       : options.panel_titles[h];
-}
-
-std::string xml_escape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      case '\'':
-        out += "&apos;";
-        break;
-      default:
-        // Control characters are not allowed in XML 1.0 text.
-        if (static_cast<unsigned char>(c) < 0x20 && c != '\t') {
-          out += ' ';
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out;
 }
 
 /// Viridis (the matplotlib colour map, perceptually uniform) at t in [0, 1],
@@ -171,7 +142,7 @@ std::string heatmap_svg(const torch::Tensor& weights,
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   if (!options.title.empty()) {
     svg << "<text x=\"10\" y=\"19\" font-size=\"14\">"
-        << xml_escape(options.title) << "</text>\n";
+        << detail::xml_escape(options.title) << "</text>\n";
   }
   const auto* data = w.data_ptr<double>();
   for (int64_t h = 0; h < H; ++h) {
@@ -180,18 +151,18 @@ std::string heatmap_svg(const torch::Tensor& weights,
     svg << "<g class=\"panel\" data-head=\"" << h << "\" transform=\"translate("
         << x0 << ',' << y0 << ")\">\n"
         << "<text x=\"" << left << "\" y=\"14\" font-size=\"12\">"
-        << xml_escape(panel_title(options, h)) << "</text>\n";
+        << detail::xml_escape(panel_title(options, h)) << "</text>\n";
     for (int64_t j = 0; j < S; ++j) {
       const int x = left + static_cast<int>(j) * cell + cell / 2 + 4;
       svg << "<text transform=\"translate(" << x << ',' << top - 4
-          << ") rotate(-90)\">" << xml_escape(label(options.col_labels, j))
-          << "</text>\n";
+          << ") rotate(-90)\">"
+          << detail::xml_escape(label(options.col_labels, j)) << "</text>\n";
     }
     for (int64_t i = 0; i < L; ++i) {
       const int y = top + static_cast<int>(i) * cell;
       svg << "<text x=\"" << left - 4 << "\" y=\"" << y + cell / 2 + 4
           << "\" text-anchor=\"end\">"
-          << xml_escape(label(options.row_labels, i)) << "</text>\n";
+          << detail::xml_escape(label(options.row_labels, i)) << "</text>\n";
       for (int64_t j = 0; j < S; ++j) {
         const double v = data[(h * L + i) * S + j];
         const bool masked = v == 0.0;

@@ -20,6 +20,7 @@
 
 #include "mha/plot.h"
 #include "mha/state_dict.h"
+#include "xml_escape.h"
 
 namespace mha::train {
 namespace {
@@ -523,29 +524,6 @@ void finish_writing(std::ofstream& file, const std::string& path,
   TORCH_CHECK(!file.fail(), what, ": error while writing '", path, "'");
 }
 
-std::string xml_escape(const std::string& text) {
-  std::string out;
-  for (const char c : text) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
-
 /// Round tick positions covering [lo, hi], about `target` of them.
 std::vector<double> linear_ticks(double lo, double hi, int target) {
   const double raw = (hi - lo) / std::max(target, 1);
@@ -698,7 +676,7 @@ void write_loss_svg(const std::vector<LossRecord>& records,
   svg << printf_string(
       "<text x=\"%.1f\" y=\"26\" text-anchor=\"middle\" font-size=\"15\">",
       kWidth / 2);
-  svg << xml_escape(title) << "</text>\n";
+  svg << detail::xml_escape(title) << "</text>\n";
   // Grid and tick labels.
   for (const double t : linear_ticks(x0, x1, 8)) {
     const double x = px(t);
