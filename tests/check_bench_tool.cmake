@@ -6,14 +6,7 @@
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
-function(expect_exit code)
-  execute_process(COMMAND ${TOOL} ${ARGN} RESULT_VARIABLE rc
-                  OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL code)
-    message(FATAL_ERROR "mha-bench ${ARGN}: exit ${rc}, expected ${code}\n${out}${err}")
-  endif()
-  set(last_output "${out}${err}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/expect_exit.cmake)
 
 expect_exit(2 --no-such-flag)
 expect_exit(2 --config 1,2,3)

@@ -123,6 +123,22 @@ void plant_fault(torch::nn::Module& module) {
   }
 }
 
+/// Both contenders on the settings' device and dtype, torch::nn's weights
+/// (with random biases) copied into mha's, the planted fault if asked for,
+/// both in eval mode.
+template <typename Ref, typename Ours>
+void prepare_pair(Ref& ref, Ours& ours, const Settings& settings) {
+  ref->to(settings.device, settings.dtype);
+  ours->to(settings.device, settings.dtype);
+  randomize_biases(*ref);
+  mha::copy_weights(ref, ours);
+  if (settings.plant_fault) {
+    plant_fault(*ours);
+  }
+  ref->eval();
+  ours->eval();
+}
+
 Contenders make_encoder(const Shape& s, const torch::Tensor& x,
                         const Settings& settings) {
   const int64_t E = s.embed_dim, H = s.num_heads;
@@ -134,15 +150,7 @@ Contenders make_encoder(const Shape& s, const torch::Tensor& x,
                                         .dim_feedforward(4 * E)
                                         .dropout(0.0)
                                         .batch_first(false));
-  ref->to(settings.device, settings.dtype);
-  ours->to(settings.device, settings.dtype);
-  randomize_biases(*ref);
-  mha::copy_weights(ref, ours);
-  if (settings.plant_fault) {
-    plant_fault(*ours);
-  }
-  ref->eval();
-  ours->eval();
+  prepare_pair(ref, ours, settings);
   Contenders c;
   c.mha = [ours, x]() mutable {
     torch::NoGradGuard no_grad;
@@ -168,15 +176,7 @@ Contenders make_contenders(const Shape& s, Mode mode,
   torch::nn::MultiheadAttention ref(torch::nn::MultiheadAttentionOptions(E, H));
   mha::MultiHeadAttention ours(
       mha::MultiHeadAttentionOptions(E, H).batch_first(false));
-  ref->to(settings.device, settings.dtype);
-  ours->to(settings.device, settings.dtype);
-  randomize_biases(*ref);
-  mha::copy_weights(ref, ours);
-  if (settings.plant_fault) {
-    plant_fault(*ours);
-  }
-  ref->eval();
-  ours->eval();
+  prepare_pair(ref, ours, settings);
 
   Contenders c;
   switch (mode) {
