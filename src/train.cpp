@@ -174,8 +174,12 @@ torch::Tensor DigitTransformerImpl::forward(const torch::Tensor& input,
   return head(x);                                          // (N, L, kNumDigits)
 }
 
-torch::Tensor masked_cross_entropy(const torch::Tensor& logits,
-                                   const torch::Tensor& target) {
+namespace {
+
+/// The summed cross-entropy over targets other than kIgnoreIndex, and how
+/// many there are. logits (N, L, C), target (N, L) int64.
+std::pair<torch::Tensor, torch::Tensor> masked_cross_entropy_sum(
+    const torch::Tensor& logits, const torch::Tensor& target) {
   TORCH_CHECK(logits.dim() == 3 && target.dim() == 2 &&
                   logits.size(0) == target.size(0) &&
                   logits.size(1) == target.size(1),
@@ -187,9 +191,16 @@ torch::Tensor masked_cross_entropy(const torch::Tensor& logits,
   auto summed = F::cross_entropy(logits.reshape({-1, C}), flat_target,
                                  F::CrossEntropyFuncOptions()
                                      .ignore_index(kIgnoreIndex)
-                                     .reduction(torch::kSum));          // ()
-  auto real_tokens = (flat_target != kIgnoreIndex).sum().clamp_min(1);  // ()
-  return summed / real_tokens;
+                                     .reduction(torch::kSum));  // ()
+  return {summed, (flat_target != kIgnoreIndex).sum()};         // (), ()
+}
+
+}  // namespace
+
+torch::Tensor masked_cross_entropy(const torch::Tensor& logits,
+                                   const torch::Tensor& target) {
+  auto [summed, real_tokens] = masked_cross_entropy_sum(logits, target);
+  return summed / real_tokens.clamp_min(1);
 }
 
 // ------------------------------------------------------ character data ---
@@ -746,6 +757,22 @@ void write_loss_svg(const std::vector<LossRecord>& records,
 
 // ------------------------------------------------------------ tasks ---
 
+std::pair<int64_t, int64_t> Shard::rows(int64_t rows) const {
+  return {rows * index / count, rows * (index + 1) / count};
+}
+
+double TrainTask::validation_loss() {
+  const auto total = validation_loss_sum();
+  return total.sum / static_cast<double>(std::max<int64_t>(total.tokens, 1));
+}
+
+void TrainTask::set_shard(const Shard& shard) {
+  TORCH_CHECK(shard.count >= 1 && shard.index >= 0 && shard.index < shard.count,
+              "TrainTask::set_shard: need 0 <= index < count, but got index ",
+              shard.index, " and count ", shard.count);
+  shard_ = shard;
+}
+
 DigitTask::DigitTask(const DigitDataOptions& data,
                      const DigitTransformerOptions& model_options,
                      int64_t batch_size, uint64_t seed, torch::Device device)
@@ -776,22 +803,31 @@ std::string DigitTask::name() const {
 BatchLoss DigitTask::training_loss(int64_t step) {
   const auto batch = make_digit_batch(
       data_, batch_size_, derive_seed(seed_, step, SeedStream::kTrainData));
-  auto logits = model_(batch.input.to(device_),
-                       batch.padding.to(device_));  // (N, L, 10)
-  return {masked_cross_entropy(logits, batch.target.to(device_)),
-          batch.lengths.sum().item<int64_t>()};
+  const auto [first, last] = shard().rows(batch_size_);
+  auto rows = [&, first = first, last = last](const torch::Tensor& t) {
+    return t.narrow(0, first, last - first).to(device_);  // (rows, L)
+  };
+  auto logits = model_(rows(batch.input), rows(batch.padding));  // (n, L, 10)
+  return {masked_cross_entropy(logits, rows(batch.target)),
+          batch.lengths.narrow(0, first, last - first).sum().item<int64_t>()};
 }
 
-double DigitTask::validation_loss() {
+LossSum DigitTask::validation_loss_sum() {
+  const auto [first, last] = shard().rows(val_batch_.input.size(0));
+  if (first == last) {
+    return {};
+  }
   torch::NoGradGuard no_grad;
   model_->eval();
-  auto logits = model_(val_batch_.input.to(device_),
-                       val_batch_.padding.to(device_));  // (N, L, 10)
-  const double loss =
-      masked_cross_entropy(logits, val_batch_.target.to(device_))
-          .item<double>();
+  auto rows = [&, first = first, last = last](const torch::Tensor& t) {
+    return t.narrow(0, first, last - first).to(device_);  // (rows, L)
+  };
+  auto logits =
+      model_(rows(val_batch_.input), rows(val_batch_.padding));  // (n, L, 10)
+  const auto [summed, tokens] =
+      masked_cross_entropy_sum(logits, rows(val_batch_.target));
   model_->train();
-  return loss;
+  return {summed.item<double>(), tokens.item<int64_t>()};
 }
 
 DigitTask::Accuracy DigitTask::accuracy(int64_t num_sequences) {
@@ -874,26 +910,33 @@ std::string CharLMTask::name() const {
 
 BatchLoss CharLMTask::training_loss(int64_t step) {
   const int64_t T = model_->options.block_size();
-  auto [input, target] =
+  const auto [input, target] =
       sample_char_batch(corpus_.train, batch_size_, T,
                         derive_seed(seed_, step, SeedStream::kTrainData));
-  auto logits = model_(input.to(device_));  // (N, T, V)
-  auto loss = F::cross_entropy(logits.reshape({-1, logits.size(2)}),
-                               target.to(device_).reshape({-1}));  // ()
-  return {loss, input.numel()};
+  const auto [first, last] = shard().rows(batch_size_);
+  auto logits =
+      model_(input.narrow(0, first, last - first).to(device_));  // (n, T, V)
+  auto loss = F::cross_entropy(
+      logits.reshape({-1, logits.size(2)}),
+      target.narrow(0, first, last - first).to(device_).reshape({-1}));  // ()
+  return {loss, (last - first) * T};
 }
 
-double CharLMTask::validation_loss() {
-  torch::NoGradGuard no_grad;
-  model_->eval();
+LossSum CharLMTask::validation_loss_sum() {
   const int64_t T = model_->options.block_size();
   const int64_t windows = (corpus_.val.size(0) - 1) / T;
+  const auto [first, last] = shard().rows(windows);
+  if (first == last) {
+    return {};
+  }
+  torch::NoGradGuard no_grad;
+  model_->eval();
   auto input = corpus_.val.narrow(0, 0, windows * T).view({windows, T});
   auto target = corpus_.val.narrow(0, 1, windows * T).view({windows, T});
   double loss_sum = 0.0;
   constexpr int64_t kChunk = 64;
-  for (int64_t begin = 0; begin < windows; begin += kChunk) {
-    const int64_t n = std::min(kChunk, windows - begin);
+  for (int64_t begin = first; begin < last; begin += kChunk) {
+    const int64_t n = std::min(kChunk, last - begin);
     auto logits = model_(input.narrow(0, begin, n).to(device_));  // (n, T, V)
     loss_sum +=
         F::cross_entropy(logits.reshape({-1, logits.size(2)}),
@@ -902,7 +945,7 @@ double CharLMTask::validation_loss() {
             .item<double>();
   }
   model_->train();
-  return loss_sum / static_cast<double>(windows * T);
+  return {loss_sum, (last - first) * T};
 }
 
 std::string CharLMTask::fingerprint() const {
@@ -1226,17 +1269,84 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+namespace {
+
+/// The optimizer state and history that a resumed data-parallel run sends
+/// from rank 0 to the others, as the bytes of a LibTorch archive.
+std::string pack_trainer_state(torch::optim::Optimizer& optimizer,
+                               const std::vector<LossRecord>& history) {
+  torch::serialize::OutputArchive archive;
+  torch::serialize::OutputArchive optimizer_archive;
+  optimizer.save(optimizer_archive);
+  archive.write("optimizer", optimizer_archive);
+  archive.write("history", history_to_tensor(history));
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+std::vector<LossRecord> unpack_trainer_state(const std::string& bytes,
+                                             torch::optim::Optimizer& optimizer,
+                                             torch::Device device) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  archive.load_from(in, device);
+  torch::serialize::InputArchive optimizer_archive;
+  archive.read("optimizer", optimizer_archive);
+  optimizer.load(optimizer_archive);
+  torch::Tensor history;
+  archive.read("history", history);
+  return history_from_tensor(history);
+}
+
+/// Restores `task.shard()` when it goes out of scope.
+class ShardScope {
+ public:
+  ShardScope(TrainTask& task, const Shard& shard)
+      : task_(task), saved_(task.shard()) {
+    task_.set_shard(shard);
+  }
+  ~ShardScope() { task_.set_shard(saved_); }
+  ShardScope(const ShardScope&) = delete;
+  ShardScope& operator=(const ShardScope&) = delete;
+
+ private:
+  TrainTask& task_;
+  Shard saved_;
+};
+
+/// Sums (loss sum, tokens) over the ranks of `group`; returns the pair
+/// unchanged without a group.
+LossSum all_reduce(distributed::ProcessGroup* group, const LossSum& local) {
+  if (group == nullptr) {
+    return local;
+  }
+  auto both = torch::tensor({local.sum, static_cast<double>(local.tokens)},
+                            torch::kFloat64);  // (2)
+  group->all_reduce_sum(both);
+  return {both[0].item<double>(), static_cast<int64_t>(both[1].item<double>())};
+}
+
+}  // namespace
+
 TrainResult train(TrainTask& task, const TrainOptions& options,
-                  const ProgressCallback& on_progress) {
+                  const ProgressCallback& on_progress,
+                  distributed::ProcessGroup* group) {
   validate(options);
+  const int64_t rank = group != nullptr ? group->rank() : 0;
+  const int64_t world_size = group != nullptr ? group->world_size() : 1;
+  TORCH_CHECK(task.batch_size() >= world_size, "train: the batch size (",
+              task.batch_size(), ") must be >= the number of processes (",
+              world_size, "): every rank needs at least one sequence");
+  ShardScope shard_scope(task, Shard{rank, world_size});
   torch::nn::Module& model = task.model();
   auto optimizer = make_adamw(model, options.lr(), options.weight_decay());
   const LrSchedule schedule{options.lr(), options.min_lr(),
                             options.warmup_steps(), options.steps()};
   const std::string fingerprint =
       task.fingerprint() + " " + options_fingerprint(options);
-  std::optional<RunFiles> files;
-  if (!options.out_dir().empty()) {
+  std::optional<RunFiles> files;  // rank 0 only
+  if (!options.out_dir().empty() && rank == 0) {
     files.emplace(options.out_dir());
     std::error_code error;
     fs::create_directories(options.out_dir(), error);
@@ -1245,9 +1355,54 @@ TrainResult train(TrainTask& task, const TrainOptions& options,
   }
 
   TrainResult result;
-  if (options.resume()) {
-    result.history = load_checkpoint(*files, model, *optimizer, fingerprint);
+  if (group == nullptr) {
+    if (options.resume()) {
+      result.history = load_checkpoint(*files, model, *optimizer, fingerprint);
+    }
+  } else {
+    // Rank 0 reads the checkpoint (if resuming) and every rank starts from
+    // its weights, optimizer state and history.
+    if (options.resume()) {
+      std::string state, failure;
+      if (rank == 0) {
+        try {
+          result.history =
+              load_checkpoint(*files, model, *optimizer, fingerprint);
+          state = pack_trainer_state(*optimizer, result.history);
+        } catch (const c10::Error& e) {
+          failure = e.what_without_backtrace();
+        }
+      }
+      // An empty state tells the other ranks that rank 0 failed.
+      state = group->broadcast_bytes(state);
+      TORCH_CHECK(rank != 0 || failure.empty(), failure);
+      TORCH_CHECK(!state.empty(),
+                  "train: rank 0 could not resume from its "
+                  "checkpoint (its own message says why)");
+      if (rank != 0) {
+        const auto parameters = model.parameters();
+        result.history =
+            unpack_trainer_state(state, *optimizer,
+                                 parameters.empty() ? torch::Device(torch::kCPU)
+                                                    : parameters[0].device());
+      }
+    }
+    distributed::broadcast_module(*group, model);
+    if (rank != 0) {
+      const uint64_t base = at::detail::getDefaultCPUGenerator().current_seed();
+      torch::manual_seed(
+          derive_seed(derive_seed(base, rank, SeedStream::kRankDropout),
+                      result.history.empty() ? 0 : result.history.back().step,
+                      SeedStream::kRankDropout));
+    }
   }
+  std::optional<distributed::GradientSynchronizer> synchronizer;
+  if (group != nullptr) {
+    synchronizer.emplace(*group, model,
+                         distributed::GradientSyncOptions().reduction(
+                             distributed::GradientReduction::kSum));
+  }
+
   const int64_t first =
       result.history.empty() ? 1 : result.history.back().step + 1;
   const int64_t last = options.stop_at() > 0
@@ -1271,30 +1426,49 @@ TrainResult train(TrainTask& task, const TrainOptions& options,
     set_learning_rate(*optimizer, lr);
     optimizer->zero_grad();
     BatchLoss batch = task.training_loss(step);
-    batch.loss.backward();
+    LossRecord record;
+    record.step = step;
+    record.lr = lr;
+    int64_t step_tokens = batch.tokens;
+    if (group == nullptr) {
+      batch.loss.backward();
+      record.train_loss = batch.loss.item<double>();  // waits for the step
+    } else {
+      // This rank's share of the global mean: its tokens' summed loss over
+      // the tokens of every rank; the gradients are then summed.
+      const double local_loss = batch.loss.item<double>();
+      const LossSum global = all_reduce(
+          group,
+          {local_loss * static_cast<double>(batch.tokens), batch.tokens});
+      step_tokens = global.tokens;
+      record.train_loss =
+          global.sum / static_cast<double>(std::max<int64_t>(global.tokens, 1));
+      (batch.loss * (static_cast<double>(batch.tokens) /
+                     static_cast<double>(std::max<int64_t>(global.tokens, 1))))
+          .backward();
+      synchronizer->synchronize();
+    }
+    TORCH_CHECK(std::isfinite(record.train_loss), "train: the loss at step ",
+                step, " is ", record.train_loss,
+                " (training diverged; try a smaller lr)");
     if (options.grad_clip() > 0.0) {
       torch::nn::utils::clip_grad_norm_(model.parameters(),
                                         options.grad_clip());
     }
     optimizer->step();
 
-    LossRecord record;
-    record.step = step;
-    record.lr = lr;
-    record.train_loss = batch.loss.item<double>();  // waits for the step
-    TORCH_CHECK(std::isfinite(record.train_loss), "train: the loss at step ",
-                step, " is ", record.train_loss,
-                " (training diverged; try a smaller lr)");
     const double step_seconds = seconds_since(step_start);
     train_seconds += step_seconds;
-    tokens += batch.tokens;
-    record.tokens_per_s = batch.tokens / std::max(step_seconds, 1e-9);
+    tokens += step_tokens;
+    record.tokens_per_s = step_tokens / std::max(step_seconds, 1e-9);
 
     // Validation on schedule and at the end of the run's schedule (not at
     // stop_at, so that an interrupted and resumed run records the same).
     if (step == options.steps() ||
         (options.eval_every() > 0 && step % options.eval_every() == 0)) {
-      record.val_loss = task.validation_loss();
+      const LossSum total = all_reduce(group, task.validation_loss_sum());
+      record.val_loss =
+          total.sum / static_cast<double>(std::max<int64_t>(total.tokens, 1));
       result.val_loss = record.val_loss;
     }
     record.elapsed_s = elapsed_before + seconds_since(run_start);

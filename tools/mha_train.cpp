@@ -14,13 +14,16 @@
 #include <optional>
 #include <string>
 
+#include "launch.h"
 #include "mha/detail/compat.h"
+#include "mha/distributed.h"
 #include "mha/train.h"
 #include "tool_common.h"
 
 namespace {
 
 namespace train = mha::train;
+namespace dist = mha::distributed;
 
 /// Settings whose defaults depend on the task; unset ones take the task's.
 struct TaskDefaults {
@@ -80,6 +83,8 @@ bool set_openblas_threads(int threads) {
 
 /// Set in the environment across tune_runtime_environment's re-execution.
 constexpr const char* kReexecMarker = "MHA_TRAIN_REEXECUTED";
+/// Set in the environment of the workers that --nproc starts.
+constexpr const char* kWorkerMarker = "MHA_TRAIN_NPROC_WORKER";
 
 /// Prints progress lines: redrawn in place on a terminal, whole lines at a
 /// throttled rate otherwise (train::ProgressThrottle decides which).
@@ -248,6 +253,32 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--quiet", quiet, "no progress lines");
 
+  // Data-parallel training (c10d).
+  int64_t nproc = 1;
+  std::string backend_name;
+  double timeout_s = 120.0;
+  std::string interface;
+  app.add_option("--nproc", nproc,
+                 "train data-parallel in this many processes on this machine "
+                 "(each takes a shard of every batch; --threads is split "
+                 "among them unless given). Across machines, start one "
+                 "process per rank with RANK, WORLD_SIZE, MASTER_ADDR and "
+                 "MASTER_PORT set instead")
+      ->capture_default_str();
+  app.add_option("--backend", backend_name,
+                 "c10d backend of a data-parallel run: gloo or nccl [gloo on "
+                 "cpu, nccl on cuda]")
+      ->check(CLI::IsMember({"gloo", "nccl"}));
+  app.add_option("--timeout", timeout_s,
+                 "seconds a data-parallel rank waits for the others (joining, "
+                 "every collective) before it gives up with an error")
+      ->capture_default_str();
+  app.add_option(
+      "--interface", interface,
+      "network interface Gloo binds (e.g. eth0) [GLOO_SOCKET_IFNAME, "
+      "else 127.0.0.1 when MASTER_ADDR is loopback, else the host "
+      "name's address]");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -320,12 +351,58 @@ int main(int argc, char** argv) {
   if (stop_at < 0) {
     return usage_error(fmt::format("--stop-at must be >= 0, got {}", stop_at));
   }
+  // Data-parallel settings: this process is a launcher (--nproc > 1), a
+  // worker of a job (RANK and WORLD_SIZE set), or alone.
+  std::optional<dist::LaunchEnv> job;
+  try {
+    job = dist::launch_env_from_environment();
+  } catch (const c10::Error& e) {
+    return usage_error(e.what_without_backtrace());
+  }
+  const bool spawned_worker = std::getenv(kWorkerMarker) != nullptr;
+  if (nproc < 1) {
+    return usage_error(fmt::format("--nproc must be >= 1, got {}", nproc));
+  }
+  if (nproc > 1 && job && !spawned_worker) {
+    return usage_error(
+        "--nproc starts its own workers; with RANK and WORLD_SIZE set, start "
+        "one process per rank without --nproc");
+  }
+  if (!(timeout_s > 0.0)) {
+    return usage_error(
+        fmt::format("--timeout must be > 0 seconds, got {:g}", timeout_s));
+  }
+  const bool data_parallel = nproc > 1 || job.has_value();
+  if (data_parallel && !dist::available()) {
+    return usage_error(
+        "data-parallel training is not available: this build of mha has no "
+        "c10d/Gloo support (install libgloo-dev and rebuild)");
+  }
+  if (data_parallel && n_batch < (job ? job->world_size : nproc)) {
+    return usage_error(
+        fmt::format("--batch-size ({}) must be >= the number of processes ({})",
+                    n_batch, job ? job->world_size : nproc));
+  }
+  const auto backend = dist::parse_backend(
+      backend_name.empty() ? (device_name == "cuda" ? "nccl" : "gloo")
+                           : backend_name);
+  if (data_parallel && backend == dist::Backend::kNccl &&
+      (device_name != "cuda" || !dist::nccl_available())) {
+    return usage_error(
+        device_name != "cuda"
+            ? std::string("--backend nccl needs --device cuda")
+            : std::string("--backend nccl: this build of mha has no NCCL "
+                          "support; use --backend gloo"));
+  }
+  const int64_t rank = job ? job->rank : 0;
+
   torch::Device device(torch::kCPU);
   if (device_name == "cuda") {
     if (!torch::cuda::is_available()) {
       return usage_error("--device cuda: CUDA is not available");
     }
-    device = torch::Device(torch::kCUDA);
+    device = torch::Device(
+        torch::kCUDA, static_cast<c10::DeviceIndex>(job ? job->local_rank : 0));
   }
   if (charlm) {
     std::error_code error;
@@ -334,10 +411,40 @@ int main(int argc, char** argv) {
     }
   }
   const train::RunFiles files(options.out_dir());
-  if (resume && !std::filesystem::exists(files.trainer)) {
+  if (resume && rank == 0 && !std::filesystem::exists(files.trainer)) {
     return usage_error(fmt::format(
         "--resume: no checkpoint in '{}' (run without --resume first)",
         files.checkpoint_dir));
+  }
+
+  if (nproc > 1 && !job) {
+    // The launcher: start the workers, wait for them, report.
+    mha::tools::LocalLaunch launch;
+    launch.argv.assign(argv, argv + argc);
+    const int worker_threads = std::max(1, threads / static_cast<int>(nproc));
+    if (app.count("--threads") == 0) {
+      launch.argv.push_back("--threads");
+      launch.argv.push_back(std::to_string(worker_threads));
+    }
+    launch.nproc = nproc;
+    launch.master_port = mha::tools::free_local_port();
+    if (const char* port = std::getenv("MASTER_PORT")) {
+      launch.master_port = std::atoi(port);
+    }
+    launch.worker_marker = kWorkerMarker;
+    launch.grace = std::chrono::milliseconds(
+        static_cast<int64_t>(timeout_s * 1000.0) + 10000);
+    launch.name = "mha-train";
+    fmt::print(
+        "mha-train: {} worker processes on 127.0.0.1:{}, backend {}, {} "
+        "thread(s) each; rank 0 reports\n",
+        nproc, launch.master_port, dist::backend_name(backend),
+        app.count("--threads") == 0 ? worker_threads : threads);
+    std::fflush(stdout);
+    return mha::tools::run_local_workers(launch);
+  }
+  if (rank != 0) {
+    quiet = true;  // rank 0 alone reports
   }
 
   at::set_num_threads(threads);
@@ -383,41 +490,75 @@ int main(int argc, char** argv) {
     return usage_error(e.what_without_backtrace());
   }
 
-  fmt::print(
-      "mha-train: {} | LibTorch {} | device {} | threads {}{} | seed {}\n",
-      task->name(), mha::detail::torch_version(), device.str(), threads,
-      openblas ? fmt::format(" (OpenBLAS {} too)", mha::tools::openblas_core())
-               : "",
-      seed);
-  if (!runtime_note.empty()) {
-    fmt::print("environment set by mha-train: {}\n", runtime_note);
+  // Joining the job (every rank, before anything is printed).
+  const std::string who =
+      job ? fmt::format("mha-train [rank {}]", rank) : "mha-train";
+  std::optional<dist::ProcessGroup> group;
+  if (job) {
+    try {
+      group.emplace(*job, dist::ProcessGroupOptions()
+                              .backend(backend)
+                              .timeout(std::chrono::milliseconds(
+                                  static_cast<int64_t>(timeout_s * 1000.0)))
+                              .interface(interface));
+    } catch (const c10::Error& e) {
+      fmt::print(stderr, "{}: {}\n", who, e.what_without_backtrace());
+      return 1;
+    }
   }
-  fmt::print(
-      "model: {} parameters | {} steps of {} sequences | lr {:g} -> {:g}, "
-      "warmup {} | out {}\n",
-      count_parameters(task->model()), options.steps(), n_batch, options.lr(),
-      options.min_lr(), options.warmup_steps(), options.out_dir());
-  double baseline = 0.0;
-  if (char_task != nullptr) {
-    baseline = char_task->unigram_baseline();
+
+  double baseline = char_task != nullptr ? char_task->unigram_baseline() : 0.0;
+  if (rank == 0) {
     fmt::print(
-        "text: {} ({} characters, {} distinct); unigram baseline {:.4f} "
-        "nats/char\n",
-        text_path,
-        char_task->corpus().train.size(0) + char_task->corpus().val.size(0),
-        char_task->corpus().vocab.size(), baseline);
+        "mha-train: {} | LibTorch {} | device {} | threads {}{} | seed {}\n",
+        task->name(), mha::detail::torch_version(), device.str(), threads,
+        openblas
+            ? fmt::format(" (OpenBLAS {} too)", mha::tools::openblas_core())
+            : "",
+        seed);
+    if (!runtime_note.empty()) {
+      fmt::print("environment set by mha-train: {}\n", runtime_note);
+    }
+    if (job) {
+      fmt::print(
+          "data-parallel: {} processes ({} at {}:{}), {} sequences each per "
+          "step\n",
+          job->world_size, dist::backend_name(backend), job->master_addr,
+          job->master_port,
+          job->world_size == 1
+              ? fmt::format("{}", n_batch)
+              : fmt::format("{}-{}", n_batch / job->world_size,
+                            (n_batch + job->world_size - 1) / job->world_size));
+    }
+    fmt::print(
+        "model: {} parameters | {} steps of {} sequences | lr {:g} -> {:g}, "
+        "warmup {} | out {}\n",
+        count_parameters(task->model()), options.steps(), n_batch, options.lr(),
+        options.min_lr(), options.warmup_steps(), options.out_dir());
+    if (char_task != nullptr) {
+      fmt::print(
+          "text: {} ({} characters, {} distinct); unigram baseline {:.4f} "
+          "nats/char\n",
+          text_path,
+          char_task->corpus().train.size(0) + char_task->corpus().val.size(0),
+          char_task->corpus().vocab.size(), baseline);
+    }
+    std::fflush(stdout);
   }
-  std::fflush(stdout);
 
   ProgressPrinter printer(quiet, options.steps());
   const auto start = std::chrono::steady_clock::now();
   train::TrainResult result;
   try {
-    result = train::train(*task, options, std::ref(printer));
+    result = train::train(*task, options, std::ref(printer),
+                          group ? &*group : nullptr);
   } catch (const c10::Error& e) {
     printer.finish();
-    fmt::print(stderr, "mha-train: {}\n", e.what_without_backtrace());
+    fmt::print(stderr, "{}: {}\n", who, e.what_without_backtrace());
     return 1;
+  }
+  if (rank != 0) {
+    return 0;  // rank 0 evaluates, samples and reports
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)

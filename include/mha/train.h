@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "mha/distributed.h"
 #include "mha/multi_head_attention.h"
 #include "mha/transformer.h"
 
@@ -47,6 +48,9 @@ enum class SeedStream : uint64_t {
   kEvalData = 2,   ///< held-out data (step 0)
   kModelInit = 3,  ///< the initial weights (step 0)
   kSampling = 4,   ///< text generation
+  /// Dropout of the ranks other than 0 in data-parallel training (rank 0
+  /// keeps LibTorch's default generator, as a single process does).
+  kRankDropout = 5,
 };
 
 /// A 64-bit seed that depends only on (seed, step, stream), mixed with
@@ -404,8 +408,29 @@ struct BatchLoss {
   int64_t tokens = 0;
 };
 
+/// A summed loss and the number of tokens it covers (their quotient is the
+/// mean loss in nats per token).
+struct LossSum {
+  double sum = 0.0;
+  int64_t tokens = 0;
+};
+
+/// Which part of every global batch (and of the validation data) one
+/// process of a data-parallel job computes: shard `index` of `count`.
+struct Shard {
+  int64_t index = 0;  ///< in [0, count)
+  int64_t count = 1;  ///< >= 1; 1 = the whole batch
+  /// The rows [first, second) of `rows` that this shard takes: contiguous
+  /// ranges in index order, sizes differing by at most one, together
+  /// covering every row once. Empty when rows < count for some shards.
+  std::pair<int64_t, int64_t> rows(int64_t rows) const;
+};
+
 /// What the training loop needs from a task. Implementations hold a model
-/// and make each step's batch from (seed, step) alone.
+/// and make each step's batch from (seed, step) alone. In data-parallel
+/// training every process makes the same global batch and computes only
+/// its shard's rows (set_shard), so that N processes see exactly the
+/// batches one process sees.
 class TrainTask {
  public:
   virtual ~TrainTask() = default;
@@ -414,14 +439,29 @@ class TrainTask {
   virtual std::string name() const = 0;
   /// The model being trained.
   virtual torch::nn::Module& model() = 0;
-  /// The training loss of step `step` (1-based), with the model in training
-  /// mode; the batch depends only on (seed, step).
+  /// Sequences in every step's (global) batch.
+  virtual int64_t batch_size() const = 0;
+  /// The training loss of step `step` (1-based) over this shard's rows of
+  /// the step's batch (normalised by their real tokens), with the model in
+  /// training mode; the batch depends only on (seed, step).
   virtual BatchLoss training_loss(int64_t step) = 0;
-  /// The validation loss (nats per token) on fixed held-out data, in eval
-  /// mode without gradients; leaves the model in training mode.
-  virtual double validation_loss() = 0;
+  /// The summed loss and token count over this shard's part of fixed
+  /// held-out data, in eval mode without gradients; leaves the model in
+  /// training mode.
+  virtual LossSum validation_loss_sum() = 0;
+  /// validation_loss_sum() as a mean (nats per token); with the default
+  /// shard, over all the held-out data.
+  double validation_loss();
   /// Every setting a checkpoint must share with this task to be resumed.
   virtual std::string fingerprint() const = 0;
+
+  /// Sets the part of every batch this task computes. Throws c10::Error
+  /// unless 0 <= shard.index < shard.count.
+  void set_shard(const Shard& shard);
+  const Shard& shard() const { return shard_; }
+
+ private:
+  Shard shard_;
 };
 
 /// The digit task: learn to reverse or sort digit sequences of variable
@@ -437,8 +477,10 @@ class DigitTask : public TrainTask {
 
   std::string name() const override;
   torch::nn::Module& model() override { return *model_; }
+  int64_t batch_size() const override { return batch_size_; }
   BatchLoss training_loss(int64_t step) override;
-  double validation_loss() override;
+  /// Over this shard's rows of a fixed batch of 500 held-out sequences.
+  LossSum validation_loss_sum() override;
   std::string fingerprint() const override;
 
   /// Accuracy on `num_sequences` held-out sequences: a fixed set drawn from
@@ -479,11 +521,12 @@ class CharLMTask : public TrainTask {
 
   std::string name() const override;
   torch::nn::Module& model() override { return *model_; }
+  int64_t batch_size() const override { return batch_size_; }
   BatchLoss training_loss(int64_t step) override;
-  /// Mean loss over the whole validation part, in consecutive windows of
-  /// block_size characters (every character after the first of a window
-  /// is predicted once).
-  double validation_loss() override;
+  /// Over this shard's windows of the validation part, cut into
+  /// consecutive windows of block_size characters (with one shard, every
+  /// character after the first of a window is predicted once).
+  LossSum validation_loss_sum() override;
   std::string fingerprint() const override;
 
   /// unigram_baseline(corpus()).
@@ -608,8 +651,34 @@ struct RunFiles {
 /// Throws c10::Error on invalid options (see validate()), when resuming
 /// finds no checkpoint or one with another fingerprint, when the loss
 /// becomes NaN or infinite, and when files cannot be written.
+///
+/// Data-parallel training: with a ProcessGroup `group` of world size W,
+/// every rank calls train() with the same task settings and options, and
+/// the job as a whole takes exactly the steps one process takes with the
+/// same (global) batch size, as DDP does:
+///   * rank 0's initial weights (or its checkpoint's weights, optimizer
+///     state and history, when resuming) are broadcast to every rank; the
+///     checkpoint may come from a run with any world size;
+///   * rank r computes the rows task.shard().rows(batch) of every global
+///     batch (Shard{r, W}); its loss is divided by the global count of real
+///     tokens, so the gradients summed over ranks (GradientSynchronizer,
+///     kSum) are the gradient of the whole batch's mean loss, however
+///     padding falls;
+///   * gradient clipping and the AdamW step then run identically on every
+///     rank, and the parameters stay identical;
+///   * the reported training and validation losses are the global ones
+///     (validation is sharded too), the same on every rank;
+///   * rank 0 alone writes checkpoints and the loss curve (other ranks
+///     ignore out_dir); on_progress is called on every rank;
+///   * ranks other than 0 draw dropout from LibTorch's default generator
+///     reseeded per rank (SeedStream::kRankDropout), so with dropout the
+///     job is not bit-identical to one process, only equal in law.
+/// The task's shard is set for the run and restored to {0, 1} at the end.
+/// Throws c10::Error also when the batch size is smaller than W, and when
+/// a collective fails (a rank died, or the group's timeout passed).
 TrainResult train(TrainTask& task, const TrainOptions& options,
-                  const ProgressCallback& on_progress = {});
+                  const ProgressCallback& on_progress = {},
+                  distributed::ProcessGroup* group = nullptr);
 
 /// Saves a checkpoint under `files.checkpoint_dir` (see RunFiles): written
 /// into a temporary directory, then renamed over the old one. `history` is
