@@ -11,6 +11,7 @@ packages=(
   libcli11-dev          # CLI11 (tool command lines)
   nlohmann-json3-dev    # JSON (safetensors headers, mha-parity --json)
   python3-torch         # Python PyTorch: the state-dict round-trip test
+  libgloo-dev           # Gloo headers: c10d data-parallel training (mha-train --nproc)
   cmake g++ make ninja-build
 )
 

@@ -242,8 +242,25 @@ int64_t ProcessGroup::world_size() const { return impl_->env.world_size; }
 Backend ProcessGroup::backend() const { return impl_->options.backend(); }
 
 void ProcessGroup::all_reduce_sum(std::vector<torch::Tensor>& tensors) {
-  impl_->run("all-reduce",
-             [&] { return impl_->backend->allreduce(tensors, {}); });
+  // c10d reads a list as one tensor per device (all summed together), so a
+  // list of distinct tensors travels as one flat tensor.
+  if (tensors.empty()) {
+    return;
+  }
+  std::vector<torch::Tensor> flat{torch::cat([&] {
+    std::vector<torch::Tensor> pieces;
+    for (const auto& tensor : tensors) {
+      pieces.push_back(tensor.reshape({-1}));
+    }
+    return pieces;
+  }())};
+  impl_->run("all-reduce", [&] { return impl_->backend->allreduce(flat, {}); });
+  int64_t offset = 0;
+  for (auto& tensor : tensors) {
+    tensor.copy_(
+        flat[0].narrow(0, offset, tensor.numel()).view(tensor.sizes()));
+    offset += tensor.numel();
+  }
 }
 
 void ProcessGroup::broadcast(torch::Tensor& tensor, int64_t root) {

@@ -132,9 +132,10 @@ class ProcessGroup {
   Backend backend() const;
 
   /// Replaces each tensor by its element-wise sum over all ranks, in place.
-  /// Tensors: contiguous, on the backend's device type; one collective for
-  /// the whole list. Throws c10::Error (naming the rank and the cause) when
-  /// a peer has gone or the timeout passes.
+  /// The tensors must live on the backend's device type; they travel as one
+  /// flat copy in their promoted dtype (one collective for the whole list).
+  /// Throws c10::Error (naming the rank and the cause) when a peer has gone
+  /// or the timeout passes.
   void all_reduce_sum(std::vector<torch::Tensor>& tensors);
   /// all_reduce_sum of one tensor.
   void all_reduce_sum(torch::Tensor& tensor);
