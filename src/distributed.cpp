@@ -240,6 +240,12 @@ ProcessGroup& ProcessGroup::operator=(ProcessGroup&&) noexcept = default;
 int64_t ProcessGroup::rank() const { return impl_->env.rank; }
 int64_t ProcessGroup::world_size() const { return impl_->env.world_size; }
 Backend ProcessGroup::backend() const { return impl_->options.backend(); }
+torch::Device ProcessGroup::device() const {
+  return backend() == Backend::kNccl
+             ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(
+                                               impl_->env.local_rank))
+             : torch::Device(torch::kCPU);
+}
 
 void ProcessGroup::all_reduce_sum(std::vector<torch::Tensor>& tensors) {
   // c10d reads a list as one tensor per device (all summed together), so a
@@ -301,6 +307,7 @@ ProcessGroup& ProcessGroup::operator=(ProcessGroup&&) noexcept = default;
 int64_t ProcessGroup::rank() const { no_c10d(); }
 int64_t ProcessGroup::world_size() const { no_c10d(); }
 Backend ProcessGroup::backend() const { no_c10d(); }
+torch::Device ProcessGroup::device() const { no_c10d(); }
 void ProcessGroup::all_reduce_sum(std::vector<torch::Tensor>& /*tensors*/) {
   no_c10d();
 }
@@ -319,9 +326,7 @@ void ProcessGroup::all_reduce_sum(torch::Tensor& tensor) {
 std::string ProcessGroup::broadcast_bytes(const std::string& bytes,
                                           int64_t root) {
   const bool is_root = rank() == root;
-  const auto device = backend() == Backend::kNccl
-                          ? torch::Device(torch::kCUDA, 0)
-                          : torch::Device(torch::kCPU);
+  const auto device = this->device();
   auto length =
       torch::tensor({is_root ? static_cast<int64_t>(bytes.size()) : int64_t{0}},
                     torch::TensorOptions(torch::kInt64))

@@ -1322,7 +1322,8 @@ LossSum all_reduce(distributed::ProcessGroup* group, const LossSum& local) {
     return local;
   }
   auto both = torch::tensor({local.sum, static_cast<double>(local.tokens)},
-                            torch::kFloat64);  // (2)
+                            torch::kFloat64)
+                  .to(group->device());  // (2)
   group->all_reduce_sum(both);
   return {both[0].item<double>(), static_cast<int64_t>(both[1].item<double>())};
 }

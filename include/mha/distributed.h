@@ -130,6 +130,9 @@ class ProcessGroup {
   int64_t rank() const;
   int64_t world_size() const;
   Backend backend() const;
+  /// Where this rank's collective tensors must live: the CPU for Gloo,
+  /// CUDA device LaunchEnv::local_rank for NCCL.
+  torch::Device device() const;
 
   /// Replaces each tensor by its element-wise sum over all ranks, in place.
   /// The tensors must live on the backend's device type; they travel as one
