@@ -6,6 +6,8 @@
 #include <limits>
 #include <utility>
 
+#include "mha/detail/compat.h"
+
 #if MHA_WITH_DISTRIBUTED
 // ProcessGroupGloo.hpp declares its class only with USE_C10D_GLOO defined
 // (LibTorch's own build defines it; its installed headers do not).
@@ -122,7 +124,7 @@ namespace {
 
 // The class the backends derive from: c10d::ProcessGroup in LibTorch 1.x,
 // c10d::Backend from 2.0 on (ProcessGroup became a dispatcher over them).
-#if TORCH_VERSION_MAJOR >= 2
+#if MHA_C10D_BACKEND_CLASS
 using CollectiveBackend = c10d::Backend;
 #else
 using CollectiveBackend = c10d::ProcessGroup;
@@ -200,6 +202,9 @@ ProcessGroup::ProcessGroup(const LaunchEnv& env,
     store_options.numWorkers = static_cast<std::size_t>(env.world_size);
     store_options.waitWorkers = true;
     store_options.timeout = options.timeout();
+#if MHA_TCPSTORE_HAS_LIBUV_OPTION
+    store_options.useLibUV = false;  // see compat.h
+#endif
     impl_->store =
         c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
   } catch (const std::exception& e) {

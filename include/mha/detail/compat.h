@@ -24,6 +24,25 @@
 #define MHA_HAS_FUSED_SDPA 0
 #endif
 
+// c10d (src/distributed.cpp): from 2.0 the collective backends such as
+// ProcessGroupGloo derive from c10d::Backend (ProcessGroup became a
+// dispatcher over backends); in 1.x they derive from c10d::ProcessGroup.
+#if MHA_TORCH_VERSION_AT_LEAST(2, 0)
+#define MHA_C10D_BACKEND_CLASS 1
+#else
+#define MHA_C10D_BACKEND_CLASS 0
+#endif
+
+// c10d's TCPStore uses its libuv server by default from 2.4
+// (TCPStoreOptions::useLibUV = true), and fails to start where LibTorch was
+// built without libuv (Debian's 2.6 and 2.14). mha asks for the classic
+// server, present in every version.
+#if MHA_TORCH_VERSION_AT_LEAST(2, 4)
+#define MHA_TCPSTORE_HAS_LIBUV_OPTION 1
+#else
+#define MHA_TCPSTORE_HAS_LIBUV_OPTION 0
+#endif
+
 namespace mha::detail {
 
 /// The LibTorch version the library was compiled against, e.g. "1.13.0".
