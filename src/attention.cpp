@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "attention_core.h"
+#include "fused_softmax.h"
 #include "mha/detail/compat.h"
 #include "mha/masks.h"
 
@@ -134,6 +135,11 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
   if (mask.defined()) {
     p.add_(mask_block(mask, row0, rows, cols));
     p.masked_fill_(mask_block(blocked, row0, rows, cols), kNegInf);
+  }
+  if (p.scalar_type() == torch::kFloat && fused_softmax_available()) {
+    // Causal limit, softmax and empty rows in one kernel (fused_softmax.h).
+    fused_softmax_rows(p, spec.is_causal ? row0 : -1);
+    return;
   }
   if (spec.is_causal && cols > row0 + 1) {
     // Row r (query row0 + r) blocks keys j > row0 + r: in columns

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attention_core.h"
+#include "fused_softmax.h"
 #include "mha/attention.h"
 #include "mha/detail/compat.h"
 #include "mha/masks.h"
@@ -974,5 +975,47 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathUnderNoGradAndLowRanks) {
         q, k, v, torch::Tensor(), true, 0.0, 0.5, WeightsMode::kPerHead);
     expect_close(blocked.output, plain.output, 2e-6, 2e-6, "output");
     expect_close(blocked.weights, plain.weights, 2e-6, 2e-6, "weights");
+  }
+}
+
+// The fused float32 softmax of the blocked path (src/fused_softmax.h)
+// against torch::softmax in float64: widths around the 8-lane vectors, the
+// causal limit at several offsets, -inf entries, fully masked rows, large
+// and tiny scores.
+TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
+  if (!mha::detail::fused_softmax_available()) {
+    GTEST_SKIP() << "this CPU has no AVX2/FMA: the blocked path uses ATen's "
+                    "softmax";
+  }
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  torch::manual_seed(11);
+  for (const int64_t cols : {1, 7, 8, 9, 16, 33, 100}) {
+    for (const int64_t causal_row0 : {int64_t{-1}, int64_t{0}, cols / 2}) {
+      const int64_t rows = 6;
+      auto scores = torch::randn({rows, cols}) * 20.0;  // (rows, cols)
+      scores[1] = scores[1] + 1e4;                      // large, shifted
+      scores[2] = scores[2] * 1e-3;                     // nearly uniform
+      if (cols > 2) {
+        scores[3][1] = -kInf;  // one blocked key
+      }
+      scores[4].fill_(-kInf);  // fully masked: zeros
+      // Reference: blocked entries at -inf, float64 softmax, 0 for a row
+      // with nothing visible.
+      auto reference = scores.to(torch::kFloat64);
+      if (causal_row0 >= 0) {
+        reference.masked_fill_(
+            torch::ones({rows, cols}, torch::kBool).triu(causal_row0 + 1),
+            -kInf);
+      }
+      reference = torch::softmax(reference, 1).nan_to_num(0.0);
+      auto fused = scores.clone();
+      mha::detail::fused_softmax_rows(fused, causal_row0);
+      EXPECT_TRUE(torch::allclose(fused.to(torch::kFloat64), reference,
+                                  /*rtol=*/1e-5, /*atol=*/1e-7))
+          << "cols " << cols << ", causal_row0 " << causal_row0
+          << ", max difference "
+          << (fused.to(torch::kFloat64) - reference).abs().max().item<double>();
+      EXPECT_TRUE(torch::equal(fused[4], torch::zeros({cols})));
+    }
   }
 }

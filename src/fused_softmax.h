@@ -1,0 +1,160 @@
+// Internal: a row softmax for float32 blocks of attention scores on x86-64
+// CPUs with AVX2 and FMA, fusing what the blocked attention path otherwise
+// runs as separate ATen passes: the causal limit (keys right of the
+// diagonal), the softmax, and the zero rows of fully masked queries. Not
+// installed.
+//
+// Why: LibTorch's softmax kernel reads and writes the block three times and,
+// in the blocked path, comes after a masked_fill for the causal triangle and
+// an isnan scan for empty rows; at long sequences the softmax was a quarter
+// of the forward time (mha-bench, README). Here each row is read once for
+// its maximum, once to exponentiate and sum (written back), once to
+// normalise.
+//
+// exp: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, then a
+// degree-7 polynomial for e^r (the coefficients of Cephes' expf, S. Moshier)
+// and 2^n from the exponent bits: relative error about 1e-7, as LibTorch's
+// own vectorised expf (tests compare the paths within float32 tolerance).
+// Arguments below -87.3 (e^x under FLT_MIN, including -inf) give 0.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define MHA_FUSED_SOFTMAX_X86 1
+#else
+#define MHA_FUSED_SOFTMAX_X86 0
+#endif
+
+namespace mha::detail {
+
+#if MHA_FUSED_SOFTMAX_X86
+
+/// e^x for 8 floats (see the file comment).
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.33654f);
+  const __m256 highest = _mm256_set1_ps(88.72283f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lowest), highest);
+  const __m256 n = _mm256_round_ps(
+      _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),  // x / ln2
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 in two parts so that n * 0.693359375 is exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r),
+                      _mm256_add_ps(r, _mm256_set1_ps(1.0f)));  // e^r
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow,
+                          _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
+/// Horizontal max / sum of 8 floats.
+__attribute__((target("avx2,fma"))) inline float reduce_max_avx2(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+__attribute__((target("avx2,fma"))) inline float reduce_sum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+/// Row x[0, cols): softmax over x[0, n), zeros in x[n, cols); a row whose
+/// first n entries are all -inf (fully masked) becomes zeros.
+__attribute__((target("avx2,fma"))) inline void softmax_row_avx2(float* x,
+                                                                 int64_t n,
+                                                                 int64_t cols) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  __m256 vmax = _mm256_set1_ps(kNegInf);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
+  }
+  float max = reduce_max_avx2(vmax);
+  for (; i < n; ++i) {
+    max = std::max(max, x[i]);
+  }
+  if (max == kNegInf) {
+    std::fill(x, x + cols, 0.0f);  // attends to nothing
+    return;
+  }
+  const __m256 shift = _mm256_set1_ps(max);
+  __m256 vsum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
+    _mm256_storeu_ps(x + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = reduce_sum_avx2(vsum);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  const float inverse = 1.0f / sum;
+  const __m256 vinverse = _mm256_set1_ps(inverse);
+  for (i = 0; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vinverse));
+  }
+  for (; i < n; ++i) {
+    x[i] *= inverse;
+  }
+  std::fill(x + n, x + cols, 0.0f);
+}
+
+#endif  // MHA_FUSED_SOFTMAX_X86
+
+/// True when fused_softmax_rows runs on this CPU (x86-64 with AVX2 and FMA).
+inline bool fused_softmax_available() {
+#if MHA_FUSED_SOFTMAX_X86
+  static const bool available =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return available;
+#else
+  return false;
+#endif
+}
+
+/// In place on p (rows, cols), contiguous float32 scores: row r becomes the
+/// softmax of its first visible(r) entries followed by zeros, where
+/// visible(r) = min(cols, causal_row0 + r + 1) when causal_row0 >= 0 (query
+/// row causal_row0 + r sees keys up to its own index) and cols otherwise. A
+/// row with nothing visible but -inf becomes zeros. Rows run in parallel.
+/// Call only when fused_softmax_available().
+inline void fused_softmax_rows(torch::Tensor& p, int64_t causal_row0) {
+#if MHA_FUSED_SOFTMAX_X86
+  const int64_t rows = p.size(0), cols = p.size(1);
+  float* data = p.data_ptr<float>();
+  const int64_t grain =
+      std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t visible =
+          causal_row0 >= 0 ? std::min(cols, causal_row0 + r + 1) : cols;
+      softmax_row_avx2(data + r * cols, visible, cols);
+    }
+  });
+#else
+  (void)p;
+  (void)causal_row0;
+  TORCH_CHECK(false, "fused_softmax_rows: not available on this CPU");
+#endif
+}
+
+}  // namespace mha::detail
