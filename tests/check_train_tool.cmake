@@ -135,11 +135,14 @@ unset(ENV{WORLD_SIZE})
 expect_usage_error("--nproc must be >= 1, got 0" --nproc 0)
 expect_usage_error("--batch-size \\(1\\) must be >= the number of processes \\(2\\)"
                    --nproc 2 --batch-size 1)
-expect_usage_error("--timeout must be > 0 seconds" --nproc 2 --timeout 0)
+expect_usage_error("--timeout must be > 0" --nproc 2 --timeout 0)
+set(ENV{MASTER_PORT} 99999)
+expect_usage_error("MASTER_PORT must be in \\[1, 65535\\], but got '99999'" --nproc 2)
+unset(ENV{MASTER_PORT})
 run_tool(0 ${tiny} --out parallel --nproc 2)
 string(REGEX MATCHALL "held-out accuracy" reports "${last_out}")
 list(LENGTH reports report_count)
-if(NOT last_out MATCHES "data-parallel: 2 processes \\(gloo at 127.0.0.1:[0-9]+\\), 16-16 sequences each"
+if(NOT last_out MATCHES "data-parallel: 2 processes \\(gloo at 127.0.0.1:[0-9]+\\), 16 sequences each"
    OR NOT report_count EQUAL 1)
   message(FATAL_ERROR "mha-train --nproc 2: expected one report from rank 0:\n${last_out}${last_err}")
 endif()

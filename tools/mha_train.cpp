@@ -368,10 +368,12 @@ int main(int argc, char** argv) {
         "--nproc starts its own workers; with RANK and WORLD_SIZE set, start "
         "one process per rank without --nproc");
   }
-  if (!(timeout_s > 0.0)) {
-    return usage_error(
-        fmt::format("--timeout must be > 0 seconds, got {:g}", timeout_s));
+  if (!(timeout_s > 0.0 && timeout_s <= 1e7)) {
+    return usage_error(fmt::format(
+        "--timeout must be > 0 and <= 1e7 seconds, got {:g}", timeout_s));
   }
+  const std::chrono::milliseconds timeout(
+      static_cast<int64_t>(timeout_s * 1000.0));
   const bool data_parallel = nproc > 1 || job.has_value();
   if (data_parallel && !dist::available()) {
     return usage_error(
@@ -427,13 +429,25 @@ int main(int argc, char** argv) {
       launch.argv.push_back(std::to_string(worker_threads));
     }
     launch.nproc = nproc;
-    launch.master_port = mha::tools::free_local_port();
     if (const char* port = std::getenv("MASTER_PORT")) {
-      launch.master_port = std::atoi(port);
+      char* end = nullptr;
+      const long value = std::strtol(port, &end, 10);
+      if (*port == '\0' || *end != '\0' || value < 1 || value > 65535) {
+        return usage_error(fmt::format(
+            "MASTER_PORT must be in [1, 65535], but got '{}'", port));
+      }
+      launch.master_port = static_cast<int>(value);
+    } else {
+      launch.master_port = mha::tools::free_local_port();
+      if (launch.master_port == 0) {
+        fmt::print(stderr,
+                   "mha-train: found no free TCP port on 127.0.0.1 for the "
+                   "workers' rendezvous; set MASTER_PORT\n");
+        return 1;
+      }
     }
     launch.worker_marker = kWorkerMarker;
-    launch.grace = std::chrono::milliseconds(
-        static_cast<int64_t>(timeout_s * 1000.0) + 10000);
+    launch.grace = timeout + std::chrono::seconds(10);
     launch.name = "mha-train";
     fmt::print(
         "mha-train: {} worker processes on 127.0.0.1:{}, backend {}, {} "
@@ -498,8 +512,7 @@ int main(int argc, char** argv) {
     try {
       group.emplace(*job, dist::ProcessGroupOptions()
                               .backend(backend)
-                              .timeout(std::chrono::milliseconds(
-                                  static_cast<int64_t>(timeout_s * 1000.0)))
+                              .timeout(timeout)
                               .interface(interface));
     } catch (const c10::Error& e) {
       fmt::print(stderr, "{}: {}\n", who, e.what_without_backtrace());
@@ -507,7 +520,8 @@ int main(int argc, char** argv) {
     }
   }
 
-  double baseline = char_task != nullptr ? char_task->unigram_baseline() : 0.0;
+  const double baseline =
+      char_task != nullptr ? char_task->unigram_baseline() : 0.0;
   if (rank == 0) {
     fmt::print(
         "mha-train: {} | LibTorch {} | device {} | threads {}{} | seed {}\n",
@@ -525,10 +539,10 @@ int main(int argc, char** argv) {
           "step\n",
           job->world_size, dist::backend_name(backend), job->master_addr,
           job->master_port,
-          job->world_size == 1
-              ? fmt::format("{}", n_batch)
+          n_batch % job->world_size == 0
+              ? fmt::format("{}", n_batch / job->world_size)
               : fmt::format("{}-{}", n_batch / job->world_size,
-                            (n_batch + job->world_size - 1) / job->world_size));
+                            n_batch / job->world_size + 1));
     }
     fmt::print(
         "model: {} parameters | {} steps of {} sequences | lr {:g} -> {:g}, "
