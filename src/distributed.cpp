@@ -195,12 +195,27 @@ ProcessGroup::ProcessGroup(const LaunchEnv& env,
 
   const std::string where =
       env.master_addr + ":" + std::to_string(env.master_port);
+  std::shared_ptr<::gloo::transport::Device> gloo_device;
+  if (options.backend() == Backend::kGloo) {
+    try {
+      gloo_device = make_gloo_device(env, options);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size,
+                  " cannot bind Gloo to ",
+                  options.interface().empty()
+                      ? std::string("this machine's address")
+                      : "interface '" + options.interface() + "'",
+                  ": ", message_of(e));
+    }
+  }
   try {
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<std::uint16_t>(env.master_port);
     store_options.isServer = env.rank == 0;
     store_options.numWorkers = static_cast<std::size_t>(env.world_size);
-    store_options.waitWorkers = true;
+    // Rank 0 returns at once; the peers' rendezvous below waits (with the
+    // timeout) for every rank, so that a missing rank costs one timeout.
+    store_options.waitWorkers = false;
     store_options.timeout = options.timeout();
 #if MHA_TCPSTORE_HAS_LIBUV_OPTION
     store_options.useLibUV = false;  // see compat.h
@@ -219,7 +234,7 @@ ProcessGroup::ProcessGroup(const LaunchEnv& env,
     if (options.backend() == Backend::kGloo) {
       auto gloo_options =
           c10d::ProcessGroupGloo::Options::create(options.timeout());
-      gloo_options->devices.push_back(make_gloo_device(env, options));
+      gloo_options->devices.push_back(gloo_device);
       impl_->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
           impl_->store, rank, size, gloo_options);
     } else {
@@ -232,9 +247,12 @@ ProcessGroup::ProcessGroup(const LaunchEnv& env,
     }
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size,
-                " could not connect to the other ranks (", where, ", ",
-                backend_name(options.backend()), ", timeout ",
-                options.timeout().count(), " ms): ", message_of(e));
+                " could not connect to the other ranks within ",
+                options.timeout().count(), " ms (",
+                backend_name(options.backend()), ", rendezvous at ", where,
+                "; did every rank start, with the same WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT?): ",
+                message_of(e));
   }
 }
 

@@ -54,8 +54,10 @@ struct LocalLaunch {
   std::vector<std::string> argv;
   int64_t nproc = 1;
   int master_port = 0;
-  /// Set to "1" in every worker's environment, so that it knows it is one.
+  /// Set to worker_marker_value in every worker's environment, so that it
+  /// knows it is one.
   std::string worker_marker;
+  std::string worker_marker_value = "1";
   /// After the first worker fails, how long the others get to notice and
   /// exit by themselves before they are killed.
   std::chrono::milliseconds grace{10000};
@@ -112,14 +114,14 @@ inline int run_local_workers(const LocalLaunch& launch) {
   argv.push_back(nullptr);
   int result = 0;
   for (int64_t rank = 0; rank < launch.nproc; ++rank) {
-    const auto env_strings =
-        worker_environment({fmt::format("RANK={}", rank),
-                            fmt::format("WORLD_SIZE={}", launch.nproc),
-                            fmt::format("LOCAL_RANK={}", rank),
-                            fmt::format("LOCAL_WORLD_SIZE={}", launch.nproc),
-                            "MASTER_ADDR=127.0.0.1",
-                            fmt::format("MASTER_PORT={}", launch.master_port),
-                            launch.worker_marker + "=1"});
+    const auto env_strings = worker_environment(
+        {fmt::format("RANK={}", rank),
+         fmt::format("WORLD_SIZE={}", launch.nproc),
+         fmt::format("LOCAL_RANK={}", rank),
+         fmt::format("LOCAL_WORLD_SIZE={}", launch.nproc),
+         "MASTER_ADDR=127.0.0.1",
+         fmt::format("MASTER_PORT={}", launch.master_port),
+         launch.worker_marker + "=" + launch.worker_marker_value});
     std::vector<char*> env;
     for (const auto& entry : env_strings) {
       env.push_back(const_cast<char*>(entry.c_str()));

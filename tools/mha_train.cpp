@@ -4,6 +4,7 @@
 // curve live in the library (mha/train.h); this is the command line.
 // Exit status: 0 done, 1 training failed, 2 bad arguments.
 #include <fmt/core.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -359,7 +360,16 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     return usage_error(e.what_without_backtrace());
   }
-  const bool spawned_worker = std::getenv(kWorkerMarker) != nullptr;
+  // A worker started by --nproc: its value is the launcher's pid. The worker
+  // ends with the launcher (a launcher killed by SIGTERM leaves no orphans).
+  const char* launcher_pid = std::getenv(kWorkerMarker);
+  const bool spawned_worker = launcher_pid != nullptr;
+  if (spawned_worker) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (std::to_string(getppid()) != launcher_pid) {
+      return 1;  // the launcher is already gone
+    }
+  }
   if (nproc < 1) {
     return usage_error(fmt::format("--nproc must be >= 1, got {}", nproc));
   }
@@ -422,7 +432,16 @@ int main(int argc, char** argv) {
   if (nproc > 1 && !job) {
     // The launcher: start the workers, wait for them, report.
     mha::tools::LocalLaunch launch;
-    launch.argv.assign(argv, argv + argc);
+    // The workers' command line: this one without --nproc (the marker in
+    // their environment says what they are).
+    for (int i = 0; i < argc; ++i) {
+      const std::string arg = argv[i];
+      if (arg == "--nproc") {
+        ++i;  // and its value
+      } else if (arg.rfind("--nproc=", 0) != 0) {
+        launch.argv.push_back(arg);
+      }
+    }
     const int worker_threads = std::max(1, threads / static_cast<int>(nproc));
     if (app.count("--threads") == 0) {
       launch.argv.push_back("--threads");
@@ -447,6 +466,7 @@ int main(int argc, char** argv) {
       }
     }
     launch.worker_marker = kWorkerMarker;
+    launch.worker_marker_value = std::to_string(getpid());
     launch.grace = timeout + std::chrono::seconds(10);
     launch.name = "mha-train";
     fmt::print(
@@ -535,10 +555,10 @@ int main(int argc, char** argv) {
     }
     if (job) {
       fmt::print(
-          "data-parallel: {} processes ({} at {}:{}), {} sequences each per "
+          "data-parallel: {} process{} ({} at {}:{}), {} sequences each per "
           "step\n",
-          job->world_size, dist::backend_name(backend), job->master_addr,
-          job->master_port,
+          job->world_size, job->world_size == 1 ? "" : "es",
+          dist::backend_name(backend), job->master_addr, job->master_port,
           n_batch % job->world_size == 0
               ? fmt::format("{}", n_batch / job->world_size)
               : fmt::format("{}-{}", n_batch / job->world_size,

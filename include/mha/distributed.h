@@ -28,9 +28,29 @@
 //
 // Failure: a rank that dies closes its connections, and the others' next
 // collective fails at once; a rank that hangs or never joins makes the others
-// fail after ProcessGroupOptions::timeout. Either way the error is a
-// c10::Error naming the operation, the rank and the cause: nothing waits
-// forever.
+// fail after ProcessGroupOptions::timeout (a rank that starts before rank 0's
+// store is up may wait up to twice that: once to reach the store, once for
+// its peers). Either way the error is a c10::Error naming the operation, the
+// rank and the cause: nothing waits forever.
+//
+// A data-parallel loop of your own (what mha::train::train does, in short):
+//   auto env = mha::distributed::launch_env_from_environment();  // nullopt:
+//   mha::distributed::ProcessGroup group(*env);                 //  not a job
+//   Model model(...);                        // same structure on every rank
+//   mha::distributed::broadcast_module(group, *model);  // rank 0's weights
+//   torch::optim::AdamW optimizer(model->parameters(), ...);
+//   mha::distributed::GradientSynchronizer sync(group, *model);  // mean
+//   for (int64_t step = 1; step <= steps; ++step) {
+//     auto batch = global_batch(step);      // the same on every rank
+//     auto rows = my_rows(batch, group.rank(), group.world_size());
+//     optimizer.zero_grad();
+//     loss_fn(model(rows.input), rows.target).backward();  // mean over rows
+//     sync.synchronize();  // every rank now holds the mean gradient
+//     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);  // after
+//     optimizer.step();
+//   }
+// With shards of unequal size (or padding), divide each rank's summed loss
+// by the global count instead and use GradientReduction::kSum.
 #pragma once
 
 #include <torch/torch.h>
