@@ -398,6 +398,12 @@ int main(int argc, char** argv) {
   const auto backend = dist::parse_backend(
       backend_name.empty() ? (device_name == "cuda" ? "nccl" : "gloo")
                            : backend_name);
+  if (data_parallel && backend == dist::Backend::kGloo &&
+      device_name == "cuda") {
+    return usage_error(
+        "--backend gloo exchanges CPU tensors: use it with --device cpu, or "
+        "--backend nccl with --device cuda");
+  }
   if (data_parallel && backend == dist::Backend::kNccl &&
       (device_name != "cuda" || !dist::nccl_available())) {
     return usage_error(
