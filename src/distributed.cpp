@@ -426,28 +426,20 @@ void GradientSynchronizer::synchronize() {
                            ? 1.0 / static_cast<double>(group_->world_size())
                            : 1.0;
   for (auto& bucket : buckets_) {
-    std::vector<torch::Tensor> flat_grads;
-    flat_grads.reserve(bucket.size());
+    // One collective per bucket: all_reduce_sum sends the list as one flat
+    // tensor and writes the sums back into each gradient.
+    std::vector<torch::Tensor> grads;
+    grads.reserve(bucket.size());
     for (auto& parameter : bucket) {
-      const auto& grad = parameter.grad();
-      flat_grads.push_back(grad.defined() ? grad.reshape({-1})
-                                          : torch::zeros({parameter.numel()},
-                                                         parameter.options()));
+      if (!parameter.grad().defined()) {
+        parameter.mutable_grad() = torch::zeros_like(parameter);
+      }
+      grads.push_back(parameter.grad());
     }
-    auto flat = torch::cat(flat_grads);  // (total elements of the bucket)
-    group_->all_reduce_sum(flat);
+    group_->all_reduce_sum(grads);
     if (scale != 1.0) {
-      flat.mul_(scale);
-    }
-    int64_t offset = 0;
-    for (auto& parameter : bucket) {
-      auto reduced = flat.narrow(0, offset, parameter.numel())
-                         .view(parameter.sizes());  // like the parameter
-      offset += parameter.numel();
-      if (parameter.grad().defined()) {
-        parameter.mutable_grad().copy_(reduced);
-      } else {
-        parameter.mutable_grad() = reduced.clone();
+      for (auto& grad : grads) {
+        grad.mul_(scale);
       }
     }
   }

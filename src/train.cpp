@@ -761,10 +761,7 @@ std::pair<int64_t, int64_t> Shard::rows(int64_t rows) const {
   return {rows * index / count, rows * (index + 1) / count};
 }
 
-double TrainTask::validation_loss() {
-  const auto total = validation_loss_sum();
-  return total.sum / static_cast<double>(std::max<int64_t>(total.tokens, 1));
-}
+double TrainTask::validation_loss() { return validation_loss_sum().mean(); }
 
 void TrainTask::set_shard(const Shard& shard) {
   TORCH_CHECK(shard.count >= 1 && shard.index >= 0 && shard.index < shard.count,
@@ -1442,8 +1439,7 @@ TrainResult train(TrainTask& task, const TrainOptions& options,
           group,
           {local_loss * static_cast<double>(batch.tokens), batch.tokens});
       step_tokens = global.tokens;
-      record.train_loss =
-          global.sum / static_cast<double>(std::max<int64_t>(global.tokens, 1));
+      record.train_loss = global.mean();
       (batch.loss * (static_cast<double>(batch.tokens) /
                      static_cast<double>(std::max<int64_t>(global.tokens, 1))))
           .backward();
@@ -1467,9 +1463,7 @@ TrainResult train(TrainTask& task, const TrainOptions& options,
     // stop_at, so that an interrupted and resumed run records the same).
     if (step == options.steps() ||
         (options.eval_every() > 0 && step % options.eval_every() == 0)) {
-      const LossSum total = all_reduce(group, task.validation_loss_sum());
-      record.val_loss =
-          total.sum / static_cast<double>(std::max<int64_t>(total.tokens, 1));
+      record.val_loss = all_reduce(group, task.validation_loss_sum()).mean();
       result.val_loss = record.val_loss;
     }
     record.elapsed_s = elapsed_before + seconds_since(run_start);

@@ -413,6 +413,10 @@ struct BatchLoss {
 struct LossSum {
   double sum = 0.0;
   int64_t tokens = 0;
+  /// sum / tokens (0 when there are no tokens).
+  double mean() const {
+    return sum / static_cast<double>(tokens > 0 ? tokens : int64_t{1});
+  }
 };
 
 /// Which part of every global batch (and of the validation data) one
