@@ -2,13 +2,10 @@
 // the torchrun environment, the collectives (ranks as threads of this
 // process), gradient synchronisation against hand computations, and real
 // multi-process jobs (tests/distributed_worker.cpp) against one process.
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -25,11 +22,10 @@
 #include <thread>
 #include <vector>
 
+#include "launch.h"
 #include "mha/distributed.h"
 #include "mha/state_dict.h"
 #include "mha/train.h"
-
-extern char** environ;
 
 namespace {
 
@@ -76,18 +72,11 @@ const std::map<std::string, std::optional<std::string>> kNoJob = {
     {"LOCAL_RANK", std::nullopt},  {"MASTER_ADDR", std::nullopt},
     {"MASTER_PORT", std::nullopt}, {"GLOO_SOCKET_IFNAME", std::nullopt}};
 
-/// A port on 127.0.0.1 that was free a moment ago.
+/// A port on 127.0.0.1 that was free a moment ago (mha-train's own choice).
 int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)),
-            0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
-  close(fd);
-  return ntohs(address.sin_port);
+  const int port = mha::tools::free_local_port();
+  EXPECT_NE(port, 0) << "no free TCP port on 127.0.0.1";
+  return port;
 }
 
 /// Runs body(group) on `world` ranks, each a thread of this process with its
@@ -412,20 +401,14 @@ Worker start_worker(const std::string& out, int64_t steps,
   std::vector<std::string> argv_strings = {MHA_DISTRIBUTED_WORKER, out,
                                            std::to_string(steps)};
   argv_strings.insert(argv_strings.end(), args.begin(), args.end());
-  std::vector<std::string> env_strings;
-  for (char** entry = environ; *entry != nullptr; ++entry) {
-    const std::string e = *entry;
-    if (e.rfind("RANK=", 0) != 0 && e.rfind("WORLD_SIZE=", 0) != 0 &&
-        e.rfind("MASTER_", 0) != 0 && e.rfind("LOCAL_RANK=", 0) != 0) {
-      env_strings.push_back(e);
-    }
-  }
-  if (world > 0) {
-    env_strings.push_back("RANK=" + std::to_string(rank));
-    env_strings.push_back("WORLD_SIZE=" + std::to_string(world));
-    env_strings.push_back("MASTER_ADDR=127.0.0.1");
-    env_strings.push_back("MASTER_PORT=" + std::to_string(port));
-  }
+  // The environment mha-train's launcher gives its workers.
+  auto env_strings =
+      world > 0
+          ? mha::tools::worker_environment(
+                {"RANK=" + std::to_string(rank),
+                 "WORLD_SIZE=" + std::to_string(world), "MASTER_ADDR=127.0.0.1",
+                 "MASTER_PORT=" + std::to_string(port)})
+          : mha::tools::worker_environment({});
   auto pointers = [](std::vector<std::string>& strings) {
     std::vector<char*> result;
     for (auto& s : strings) {
