@@ -2,6 +2,8 @@
 // feature size, Ev value feature size, "..." any leading (batch, head) dims.
 #include "mha/attention.h"
 
+#include <ATen/ThreadLocalState.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -9,6 +11,7 @@
 #include <utility>
 
 #include "attention_core.h"
+#include "blas_threads.h"
 #include "fused_softmax.h"
 #include "mha/detail/compat.h"
 #include "mha/masks.h"
@@ -162,7 +165,9 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
 
 /// Forward of blocked attention on 4-D inputs: output (N, H, L, Dv) (a view
 /// of an (N, L, H, Dv) buffer, so merging heads is free) and weights as
-/// spec.weights.
+/// spec.weights. A work item is one block of query rows of one (n, h), or
+/// of one n and all heads when the heads' weights are averaged (they add
+/// into the same rows).
 std::pair<torch::Tensor, torch::Tensor> blocked_forward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const BlockedSpec& spec) {
@@ -176,40 +181,49 @@ std::pair<torch::Tensor, torch::Tensor> blocked_forward(
   } else if (spec.weights == WeightsMode::kAverage) {
     weights = at::zeros({N, L, S}, q.options());
   }
-  auto p_buffer = at::empty({B * S}, q.options());
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t h = 0; h < H; ++h) {
-      const auto q_nh = q[n][h], k_nh = k[n][h], v_nh = v[n][h];  // (T, D)
-      const auto mask =
-          spec.mask.defined() ? select_nh(spec.mask, n, h) : torch::Tensor();
-      const auto blocked =
-          spec.mask.defined() ? select_nh(spec.blocked, n, h) : torch::Tensor();
-      auto out_nh = out.select(0, n).select(1, h);  // (L, Dv), strided rows
-      for (int64_t row0 = 0; row0 < L; row0 += B) {
+  const bool heads_per_item = spec.weights == WeightsMode::kAverage;
+  const int64_t blocks = (L + B - 1) / B;
+  const int64_t items_per_n = heads_per_item ? blocks : H * blocks;
+  for_each_item(
+      N * items_per_n, B * S, q.options(),
+      [&](int64_t item, torch::Tensor& scratch) {
+        const auto n = item / items_per_n;
+        const auto block = item % blocks;
+        const auto h_begin = heads_per_item ? 0 : item % items_per_n / blocks;
+        const auto h_end = heads_per_item ? H : h_begin + 1;
+        const auto row0 = block * B;
         const auto rows = std::min(B, L - row0);
         const auto cols = visible_keys(spec, row0, rows, S);
-        auto p = p_buffer.narrow(0, 0, rows * cols).view({rows, cols});
-        block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
-        auto out_rows = out_nh.narrow(0, row0, rows);
-        at::mm_out(out_rows, p, v_nh.narrow(0, 0, cols));
-        if (spec.weights == WeightsMode::kPerHead) {
-          weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols).copy_(p);
-        } else if (spec.weights == WeightsMode::kAverage) {
-          weights[n]
-              .narrow(0, row0, rows)
-              .narrow(1, 0, cols)
-              .add_(p, 1.0 / static_cast<double>(H));
+        auto p = scratch.narrow(0, 0, rows * cols).view({rows, cols});
+        for (auto h = h_begin; h < h_end; ++h) {
+          const auto q_nh = q[n][h], k_nh = k[n][h], v_nh = v[n][h];  // (T, D)
+          const auto mask = spec.mask.defined() ? select_nh(spec.mask, n, h)
+                                                : torch::Tensor();
+          const auto blocked = spec.mask.defined()
+                                   ? select_nh(spec.blocked, n, h)
+                                   : torch::Tensor();
+          block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
+          // (rows, Dv), strided rows of the (N, L, H, Dv) buffer
+          auto out_rows = out.select(0, n).select(1, h).narrow(0, row0, rows);
+          at::mm_out(out_rows, p, v_nh.narrow(0, 0, cols));
+          if (spec.weights == WeightsMode::kPerHead) {
+            weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols).copy_(p);
+          } else if (spec.weights == WeightsMode::kAverage) {
+            weights[n]
+                .narrow(0, row0, rows)
+                .narrow(1, 0, cols)
+                .add_(p, 1.0 / static_cast<double>(H));
+          }
         }
-      }
-    }
-  }
+      });
   return {out.permute({0, 2, 1, 3}), weights};
 }
 
 /// Backward of blocked_forward: gradients of q, k, v from the gradient of
 /// the output (N, H, L, Dv) and, if defined, of the weights. Each block's
 /// weights are recomputed; then dV += Pᵀ·dO, dP = dO·Vᵀ (+ dW),
-/// dS = softmax'(P, dP), dQ = scale·dS·K, dK += scale·dSᵀ·Q.
+/// dS = softmax'(P, dP), dQ = scale·dS·K, dK += scale·dSᵀ·Q. A work item is
+/// one (n, h): its blocks add into the same dK and dV.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const BlockedSpec& spec, const torch::Tensor& grad_out,
@@ -220,48 +234,46 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::zeros(k.sizes(), k.options());
   auto dv = at::zeros(v.sizes(), v.options());
-  auto p_buffer = at::empty({B * S}, q.options());
-  auto dp_buffer = at::empty({B * S}, q.options());
-  auto ds_buffer = at::empty({B * S}, q.options());
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t h = 0; h < H; ++h) {
-      const auto q_nh = q[n][h], k_nh = k[n][h], v_nh = v[n][h];
-      const auto mask =
-          spec.mask.defined() ? select_nh(spec.mask, n, h) : torch::Tensor();
-      const auto blocked =
-          spec.mask.defined() ? select_nh(spec.blocked, n, h) : torch::Tensor();
-      const auto go_nh = grad_out[n][h];  // (L, Dv)
-      auto dq_nh = dq[n][h], dk_nh = dk[n][h], dv_nh = dv[n][h];
-      for (int64_t row0 = 0; row0 < L; row0 += B) {
-        const auto rows = std::min(B, L - row0);
-        const auto cols = visible_keys(spec, row0, rows, S);
-        auto p = p_buffer.narrow(0, 0, rows * cols).view({rows, cols});
-        auto dp = dp_buffer.narrow(0, 0, rows * cols).view({rows, cols});
-        auto ds = ds_buffer.narrow(0, 0, rows * cols).view({rows, cols});
-        block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
-        const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
-        auto dv_cols = dv_nh.narrow(0, 0, cols);
-        dv_cols.addmm_(p.t(), go);
-        at::mm_out(dp, go, v_nh.narrow(0, 0, cols).t());
-        if (grad_weights.defined()) {
-          if (spec.weights == WeightsMode::kPerHead) {
-            dp.add_(
-                grad_weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols));
-          } else {
-            dp.add_(grad_weights[n].narrow(0, row0, rows).narrow(1, 0, cols),
-                    1.0 / static_cast<double>(H));
+  for_each_item(
+      N * H, 3 * B * S, q.options(), [&](int64_t item, torch::Tensor& scratch) {
+        const auto n = item / H, h = item % H;
+        const auto q_nh = q[n][h], k_nh = k[n][h], v_nh = v[n][h];
+        const auto mask =
+            spec.mask.defined() ? select_nh(spec.mask, n, h) : torch::Tensor();
+        const auto blocked = spec.mask.defined() ? select_nh(spec.blocked, n, h)
+                                                 : torch::Tensor();
+        const auto go_nh = grad_out[n][h];  // (L, Dv)
+        auto dq_nh = dq[n][h], dk_nh = dk[n][h], dv_nh = dv[n][h];
+        for (int64_t row0 = 0; row0 < L; row0 += B) {
+          const auto rows = std::min(B, L - row0);
+          const auto cols = visible_keys(spec, row0, rows, S);
+          auto buffer = [&](int64_t i) {
+            return scratch.narrow(0, i * B * S, rows * cols).view({rows, cols});
+          };
+          auto p = buffer(0), dp = buffer(1), ds = buffer(2);
+          block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
+          const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
+          auto dv_cols = dv_nh.narrow(0, 0, cols);
+          dv_cols.addmm_(p.t(), go);
+          at::mm_out(dp, go, v_nh.narrow(0, 0, cols).t());
+          if (grad_weights.defined()) {
+            if (spec.weights == WeightsMode::kPerHead) {
+              dp.add_(
+                  grad_weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols));
+            } else {
+              dp.add_(grad_weights[n].narrow(0, row0, rows).narrow(1, 0, cols),
+                      1.0 / static_cast<double>(H));
+            }
           }
+          at::_softmax_backward_data_out(ds, dp, p, /*dim=*/1, q.scalar_type());
+          auto dq_rows = dq_nh.narrow(0, row0, rows);
+          at::addmm_out(dq_rows, dq_rows, ds, k_nh.narrow(0, 0, cols),
+                        /*beta=*/0, /*alpha=*/spec.scale);
+          auto dk_cols = dk_nh.narrow(0, 0, cols);
+          dk_cols.addmm_(ds.t(), q_nh.narrow(0, row0, rows), /*beta=*/1,
+                         /*alpha=*/spec.scale);
         }
-        at::_softmax_backward_data_out(ds, dp, p, /*dim=*/1, q.scalar_type());
-        auto dq_rows = dq_nh.narrow(0, row0, rows);
-        at::addmm_out(dq_rows, dq_rows, ds, k_nh.narrow(0, 0, cols),
-                      /*beta=*/0, /*alpha=*/spec.scale);
-        auto dk_cols = dk_nh.narrow(0, 0, cols);
-        dk_cols.addmm_(ds.t(), q_nh.narrow(0, row0, rows), /*beta=*/1,
-                       /*alpha=*/spec.scale);
-      }
-    }
-  }
+      });
   return {dq, dk, dv};
 }
 
@@ -352,6 +364,45 @@ int64_t default_block_rows(int64_t L, int64_t S, bool is_causal) {
 }
 
 }  // namespace
+
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+// at::parallel_for is inline: with ATen's OpenMP backend it runs in parallel
+// only in a translation unit compiled with OpenMP (CMakeLists.txt does that
+// where the compiler has it).
+constexpr bool kParallelFor = false;
+#else
+constexpr bool kParallelFor = true;
+#endif
+
+int64_t for_each_item(
+    int64_t items, int64_t scratch_elements,
+    const torch::TensorOptions& options,
+    const std::function<void(int64_t, torch::Tensor&)>& body) {
+  const int64_t threads = at::get_num_threads();
+  const bool parallel = kParallelFor && threads > 1 && items >= threads &&
+                        !at::in_parallel_region() &&
+                        SingleThreadedBlas::available();
+  if (!parallel) {
+    auto scratch = at::empty({scratch_elements}, options);
+    for (int64_t item = 0; item < items; ++item) {
+      body(item, scratch);
+    }
+    return 1;
+  }
+  SingleThreadedBlas single_threaded_blas;
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, threads, /*grain_size=*/1,
+                   [&](int64_t begin, int64_t end) {
+                     at::ThreadLocalStateGuard state_guard(caller_state);
+                     auto scratch = at::empty({scratch_elements}, options);
+                     for (int64_t t = begin; t < end; ++t) {
+                       for (int64_t item = t; item < items; item += threads) {
+                         body(item, scratch);
+                       }
+                     }
+                   });
+  return threads;
+}
 
 bool blocked_attention_applies(const torch::Tensor& query,
                                const torch::Tensor& key,

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace mha::detail {
 
@@ -69,6 +70,21 @@ AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& mask, bool is_causal,
                                   double scale, WeightsMode weights,
                                   int64_t block_rows = 0);
+
+/// Calls body(item, scratch) for every item in [0, items), where scratch is
+/// a tensor of `scratch_elements` with `options` for the calling thread's
+/// use. On ATen's intra-op threads (at::get_num_threads()) when there are
+/// several, items >= threads, this is not already a parallel region, and
+/// the BLAS can run single threaded on each (blas_threads.h): thread t of T
+/// takes items t, t + T, ..., so neighbouring items (causal blocks of
+/// growing width) are spread over the threads. Otherwise in order on this
+/// thread, with BLAS's own threads. Items must write disjoint outputs. The
+/// caller's thread-local state (grad mode, inference mode) holds on every
+/// thread; an exception in body is rethrown here. Returns the number of
+/// threads used (1: in order on this thread).
+int64_t for_each_item(int64_t items, int64_t scratch_elements,
+                      const torch::TensorOptions& options,
+                      const std::function<void(int64_t, torch::Tensor&)>& body);
 
 /// Checks that `mask` (already dtype/device checked) broadcasts to `target`
 /// without growing: at most as many dims, each size equal or 1.

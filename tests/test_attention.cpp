@@ -4,16 +4,23 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <iostream>
 #include <limits>
+#include <memory>
+#include <mutex>
+#include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "attention_core.h"
+#include "blas_threads.h"
 #include "fused_softmax.h"
 #include "mha/attention.h"
 #include "mha/detail/compat.h"
@@ -864,56 +871,64 @@ TEST_F(ScaledDotProductAttentionTest, FusedPathTakes3DAnd2DInputs) {
 TEST_F(ScaledDotProductAttentionTest, BlockedPathEqualsExplicitPath) {
   using mha::detail::WeightsMode;
   const int64_t N = 2, H = 3, E = 4;
-  for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
-    const double tol = dtype == torch::kFloat64 ? 1e-12 : 3e-6;
-    for (auto [L, S] : {std::pair<int64_t, int64_t>{7, 5}, {5, 7}, {9, 9}}) {
-      for (const auto& c : path_cases(N, H, L, S, dtype)) {
-        // The core takes additive masks: bool ones through merge_masks.
-        auto mask = mha::merge_masks({c.mask}, dtype);
-        for (auto mode : {WeightsMode::kNone, WeightsMode::kPerHead,
-                          WeightsMode::kAverage}) {
-          for (int64_t block : {1, 2, 3, 4, 16}) {
-            SCOPED_TRACE(
-                c.name + ", " + std::string(c10::toString(dtype)) +
-                ", L=" + std::to_string(L) + ", S=" + std::to_string(S) +
-                ", block=" + std::to_string(block) + ", weights mode " +
-                std::to_string(static_cast<int>(mode)));
-            auto opts = torch::TensorOptions().dtype(dtype);
-            auto q = torch::randn({N, H, L, E}, opts);
-            auto k = torch::randn({N, H, S, E}, opts);
-            auto v = torch::randn({N, H, S, E + 1}, opts);
-            auto g_out = torch::randn({N, H, L, E + 1}, opts);
-            auto g_w = mode == WeightsMode::kAverage
-                           ? torch::randn({N, L, S}, opts)
-                           : torch::randn({N, H, L, S}, opts);
-            std::vector<torch::Tensor> results;
-            for (bool blocked : {true, false}) {
-              auto qg = q.clone().requires_grad_();
-              auto kg = k.clone().requires_grad_();
-              auto vg = v.clone().requires_grad_();
-              auto r =
-                  blocked ? mha::detail::blocked_attention(
-                                qg, kg, vg, mask, c.is_causal, 0.5, mode, block)
-                          : mha::detail::explicit_attention(
-                                qg, kg, vg, mask, c.is_causal, 0.0, 0.5, mode);
-              ASSERT_EQ(r.weights.defined(), mode != WeightsMode::kNone);
-              auto loss = (r.output * g_out).sum();
-              if (r.weights.defined()) {
-                loss = loss + (r.weights * g_w).sum();
+  // 1 thread: blocks in order; 2 and 3: blocks spread over threads where
+  // the BLAS allows it (ForEachItem below), including uneven shares.
+  for (int threads : {1, 2, 3}) {
+    const IntraOpThreads set_threads(threads);
+    for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+      const double tol = dtype == torch::kFloat64 ? 1e-12 : 3e-6;
+      for (auto [L, S] : {std::pair<int64_t, int64_t>{7, 5}, {5, 7}, {9, 9}}) {
+        for (const auto& c : path_cases(N, H, L, S, dtype)) {
+          // The core takes additive masks: bool ones through merge_masks.
+          auto mask = mha::merge_masks({c.mask}, dtype);
+          for (auto mode : {WeightsMode::kNone, WeightsMode::kPerHead,
+                            WeightsMode::kAverage}) {
+            for (int64_t block : {1, 2, 3, 4, 16}) {
+              SCOPED_TRACE(
+                  c.name + ", " + std::string(c10::toString(dtype)) +
+                  ", L=" + std::to_string(L) + ", S=" + std::to_string(S) +
+                  ", block=" + std::to_string(block) + ", weights mode " +
+                  std::to_string(static_cast<int>(mode)));
+              auto opts = torch::TensorOptions().dtype(dtype);
+              auto q = torch::randn({N, H, L, E}, opts);
+              auto k = torch::randn({N, H, S, E}, opts);
+              auto v = torch::randn({N, H, S, E + 1}, opts);
+              auto g_out = torch::randn({N, H, L, E + 1}, opts);
+              auto g_w = mode == WeightsMode::kAverage
+                             ? torch::randn({N, L, S}, opts)
+                             : torch::randn({N, H, L, S}, opts);
+              std::vector<torch::Tensor> results;
+              for (bool blocked : {true, false}) {
+                auto qg = q.clone().requires_grad_();
+                auto kg = k.clone().requires_grad_();
+                auto vg = v.clone().requires_grad_();
+                auto r =
+                    blocked
+                        ? mha::detail::blocked_attention(
+                              qg, kg, vg, mask, c.is_causal, 0.5, mode, block)
+                        : mha::detail::explicit_attention(
+                              qg, kg, vg, mask, c.is_causal, 0.0, 0.5, mode);
+                ASSERT_EQ(r.weights.defined(), mode != WeightsMode::kNone);
+                auto loss = (r.output * g_out).sum();
+                if (r.weights.defined()) {
+                  loss = loss + (r.weights * g_w).sum();
+                }
+                loss.backward();
+                results.insert(results.end(),
+                               {r.output.detach(),
+                                r.weights.defined() ? r.weights.detach()
+                                                    : torch::zeros({1}, opts),
+                                qg.grad(), kg.grad(), vg.grad()});
               }
-              loss.backward();
-              results.insert(results.end(),
-                             {r.output.detach(),
-                              r.weights.defined() ? r.weights.detach()
-                                                  : torch::zeros({1}, opts),
-                              qg.grad(), kg.grad(), vg.grad()});
-            }
-            const char* names[] = {"output", "weights", "query grad",
-                                   "key grad", "value grad"};
-            for (int i = 0; i < 5; ++i) {
-              EXPECT_FALSE(torch::isnan(results[i]).any().item<bool>())
-                  << names[i] << " has NaN";
-              expect_close(results[i], results[i + 5], tol, tol, names[i]);
+              const char* names[] = {"output", "weights", "query grad",
+                                     "key grad", "value grad"};
+              for (int i = 0; i < 5; ++i) {
+                EXPECT_FALSE(torch::isnan(results[i]).any().item<bool>())
+                    << names[i] << " has NaN";
+                expect_close(results[i], results[i + 5], tol, tol,
+                             std::string(names[i]) + ", " +
+                                 std::to_string(threads) + " threads");
+              }
             }
           }
         }
@@ -976,6 +991,106 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathUnderNoGradAndLowRanks) {
     expect_close(blocked.output, plain.output, 2e-6, 2e-6, "output");
     expect_close(blocked.weights, plain.weights, 2e-6, 2e-6, "weights");
   }
+}
+
+// Blocked attention's work items on several threads keep the caller's
+// inference mode (outputs are inference tensors written by other threads).
+TEST_F(ScaledDotProductAttentionTest, BlockedPathUnderInferenceModeOnThreads) {
+  using mha::detail::WeightsMode;
+  const IntraOpThreads set_threads(2);
+  auto q = torch::randn({2, 3, 40, 8}), k = torch::randn({2, 3, 50, 8}),
+       v = torch::randn({2, 3, 50, 8});
+  auto plain = mha::detail::explicit_attention(q, k, v, torch::Tensor(), true,
+                                               0.0, 0.5, WeightsMode::kAverage);
+  c10::InferenceMode inference;
+  auto blocked = mha::detail::blocked_attention(q, k, v, torch::Tensor(), true,
+                                                0.5, WeightsMode::kAverage, 16);
+  EXPECT_TRUE(blocked.output.is_inference());
+  expect_close(blocked.output, plain.output, 2e-6, 2e-6, "output");
+  expect_close(blocked.weights, plain.weights, 2e-6, 2e-6, "weights");
+}
+
+// for_each_item, the scheduler of the blocked path: every item exactly
+// once, on several threads when ATen has several and OpenBLAS can run one
+// thread per call (this project's machines: Debian's OpenBLAS pthreads
+// build), with OpenBLAS single-threaded inside and its count restored
+// after, the caller's grad mode on every thread, and exceptions passed on.
+TEST(ForEachItem, VisitsEveryItemOnceOnTheIntraOpThreads) {
+  const IntraOpThreads set_threads(2);
+  const int blas_before = mha::detail::openblas_threads();
+  for (const int64_t items : {int64_t{1}, int64_t{2}, int64_t{7}}) {
+    SCOPED_TRACE("items=" + std::to_string(items));
+    std::vector<std::atomic<int>> visits(static_cast<size_t>(items));
+    std::mutex mutex;
+    std::set<std::thread::id> thread_ids;
+    std::set<int> blas_inside;
+    std::atomic<bool> grad_enabled{false};
+    std::atomic<bool> bad_scratch{false};
+    int64_t used = 0;
+    {
+      torch::NoGradGuard no_grad;
+      used = mha::detail::for_each_item(
+          items, 5, torch::TensorOptions().dtype(torch::kFloat64),
+          [&](int64_t item, torch::Tensor& scratch) {
+            visits[static_cast<size_t>(item)]++;
+            if (scratch.numel() != 5 ||
+                scratch.scalar_type() != torch::kFloat64) {
+              bad_scratch = true;
+            }
+            if (torch::GradMode::is_enabled()) {
+              grad_enabled = true;
+            }
+            std::lock_guard<std::mutex> lock(mutex);
+            thread_ids.insert(std::this_thread::get_id());
+            blas_inside.insert(mha::detail::openblas_threads());
+          });
+    }
+    for (int64_t i = 0; i < items; ++i) {
+      EXPECT_EQ(visits[static_cast<size_t>(i)].load(), 1) << "item " << i;
+    }
+    EXPECT_FALSE(grad_enabled.load()) << "the caller's NoGradGuard was lost";
+    EXPECT_FALSE(bad_scratch.load());
+    EXPECT_EQ(static_cast<int64_t>(thread_ids.size()), used);
+    EXPECT_EQ(mha::detail::openblas_threads(), blas_before) << "not restored";
+    const bool can_spread = mha::detail::SingleThreadedBlas::available();
+    if (items >= 2 && can_spread) {
+      EXPECT_EQ(used, 2);
+      if (blas_before > 0) {
+        EXPECT_EQ(blas_inside, std::set<int>{1});
+      }
+    } else {
+      EXPECT_EQ(used, 1);
+    }
+  }
+  EXPECT_THROW(
+      mha::detail::for_each_item(4, 1, torch::TensorOptions(),
+                                 [](int64_t item, torch::Tensor&) {
+                                   if (item == 3) {
+                                     throw std::runtime_error("item 3");
+                                   }
+                                 }),
+      std::runtime_error);
+  EXPECT_EQ(mha::detail::openblas_threads(), blas_before)
+      << "not restored after an exception";
+}
+
+// Overlapping SingleThreadedBlas scopes: the last one restores the count
+// the first one found.
+TEST(SingleThreadedBlas, OverlappingScopesRestoreTheCount) {
+  const int before = mha::detail::openblas_threads();
+  if (before == 0) {
+    GTEST_SKIP() << "OpenBLAS is not the loaded BLAS";
+  }
+  {
+    auto outer = std::make_unique<mha::detail::SingleThreadedBlas>();
+    {
+      mha::detail::SingleThreadedBlas inner;
+      EXPECT_EQ(mha::detail::openblas_threads(), 1);
+    }
+    EXPECT_EQ(mha::detail::openblas_threads(), 1) << "the outer scope holds";
+    outer.reset();
+  }
+  EXPECT_EQ(mha::detail::openblas_threads(), before);
 }
 
 // The fused float32 softmax of the blocked path (src/fused_softmax.h)

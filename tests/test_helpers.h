@@ -40,3 +40,17 @@ inline void expect_close(const torch::Tensor& actual,
   EXPECT_TRUE(torch::allclose(a, e, rtol, atol))
       << what << ": max abs diff " << (a - e).abs().max().item<double>();
 }
+
+/// Sets ATen's intra-op thread count (at::set_num_threads) for a scope.
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int threads) : saved_(at::get_num_threads()) {
+    at::set_num_threads(threads);
+  }
+  ~IntraOpThreads() { at::set_num_threads(saved_); }
+  IntraOpThreads(const IntraOpThreads&) = delete;
+  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
+
+ private:
+  int saved_;
+};
