@@ -103,6 +103,8 @@ struct BlockedSpec {
   double scale = 1.0;
   WeightsMode weights = WeightsMode::kNone;
   int64_t block_rows = 0;
+  // Keep every block's weights for backward instead of recomputing them.
+  bool keep_weights = false;
 };
 
 /// The (n, h) slice of a tensor broadcastable to (N, H, ...).
@@ -163,14 +165,23 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
   }
 }
 
+/// What blocked_forward returns.
+struct BlockedForward {
+  torch::Tensor output;   // (N, H, L, Dv)
+  torch::Tensor weights;  // as spec.weights, or undefined
+  torch::Tensor kept;     // (N, H, L, S) when spec.keep_weights, else {}
+};
+
 /// Forward of blocked attention on 4-D inputs: output (N, H, L, Dv) (a view
-/// of an (N, L, H, Dv) buffer, so merging heads is free) and weights as
-/// spec.weights. A work item is one block of query rows of one (n, h), or
+/// of an (N, L, H, Dv) buffer, so merging heads is free), weights as
+/// spec.weights, and every block's weights for backward when
+/// spec.keep_weights (columns a causal block skips are left unset). A work
+/// item is one block of query rows of one (n, h), or
 /// of one n and all heads when the heads' weights are averaged (they add
 /// into the same rows).
-std::pair<torch::Tensor, torch::Tensor> blocked_forward(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-    const BlockedSpec& spec) {
+BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v,
+                               const BlockedSpec& spec) {
   const auto N = q.size(0), H = q.size(1), L = q.size(2);
   const auto S = k.size(2), Dv = v.size(3);
   const auto B = spec.block_rows;
@@ -180,6 +191,10 @@ std::pair<torch::Tensor, torch::Tensor> blocked_forward(
     weights = at::zeros({N, H, L, S}, q.options());
   } else if (spec.weights == WeightsMode::kAverage) {
     weights = at::zeros({N, L, S}, q.options());
+  }
+  torch::Tensor kept;
+  if (spec.keep_weights) {
+    kept = at::empty({N, H, L, S}, q.options());
   }
   const bool heads_per_item = spec.weights == WeightsMode::kAverage;
   const int64_t blocks = (L + B - 1) / B;
@@ -206,6 +221,9 @@ std::pair<torch::Tensor, torch::Tensor> blocked_forward(
           // (rows, Dv), strided rows of the (N, L, H, Dv) buffer
           auto out_rows = out.select(0, n).select(1, h).narrow(0, row0, rows);
           at::mm_out(out_rows, p, v_nh.narrow(0, 0, cols));
+          if (spec.keep_weights) {
+            kept[n][h].narrow(0, row0, rows).narrow(1, 0, cols).copy_(p);
+          }
           if (spec.weights == WeightsMode::kPerHead) {
             weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols).copy_(p);
           } else if (spec.weights == WeightsMode::kAverage) {
@@ -216,18 +234,19 @@ std::pair<torch::Tensor, torch::Tensor> blocked_forward(
           }
         }
       });
-  return {out.permute({0, 2, 1, 3}), weights};
+  return {out.permute({0, 2, 1, 3}), weights, kept};
 }
 
 /// Backward of blocked_forward: gradients of q, k, v from the gradient of
 /// the output (N, H, L, Dv) and, if defined, of the weights. Each block's
-/// weights are recomputed; then dV += Pᵀ·dO, dP = dO·Vᵀ (+ dW),
+/// weights are taken from `kept` (blocked_forward's, when defined) or
+/// recomputed; then dV += Pᵀ·dO, dP = dO·Vᵀ (+ dW),
 /// dS = softmax'(P, dP), dQ = scale·dS·K, dK += scale·dSᵀ·Q. A work item is
 /// one (n, h): its blocks add into the same dK and dV.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-    const BlockedSpec& spec, const torch::Tensor& grad_out,
-    const torch::Tensor& grad_weights) {
+    const BlockedSpec& spec, const torch::Tensor& kept,
+    const torch::Tensor& grad_out, const torch::Tensor& grad_weights) {
   const auto N = q.size(0), H = q.size(1), L = q.size(2);
   const auto S = k.size(2);
   const auto B = spec.block_rows;
@@ -251,7 +270,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
             return scratch.narrow(0, i * B * S, rows * cols).view({rows, cols});
           };
           auto p = buffer(0), dp = buffer(1), ds = buffer(2);
-          block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
+          if (kept.defined()) {
+            // Copied: a causal block's rows are strided in `kept`, and ATen's
+            // softmax backward below takes contiguous weights.
+            p.copy_(kept[n][h].narrow(0, row0, rows).narrow(1, 0, cols));
+          } else {
+            block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
+          }
           const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
           auto dv_cols = dv_nh.narrow(0, 0, cols);
           dv_cols.addmm_(p.t(), go);
@@ -277,7 +302,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
   return {dq, dk, dv};
 }
 
-/// Autograd wrapper: saves the inputs, not the weights.
+/// Autograd wrapper: saves the inputs, and the weights only when
+/// spec.keep_weights.
 class BlockedAttentionFunction
     : public torch::autograd::Function<BlockedAttentionFunction> {
  public:
@@ -286,11 +312,13 @@ class BlockedAttentionFunction
       const torch::Tensor& k, const torch::Tensor& v, const BlockedSpec& spec) {
     ctx->save_for_backward({q, k, v});
     save_spec(ctx, spec);
-    auto [out, weights] = blocked_forward(q, k, v, spec);
-    if (!weights.defined()) {
-      return {out};
+    auto result = blocked_forward(q, k, v, spec);
+    ctx->saved_data["kept"] =
+        result.kept.defined() ? c10::IValue(result.kept) : c10::IValue();
+    if (!result.weights.defined()) {
+      return {result.output};
     }
-    return {out, weights};
+    return {result.output, result.weights};
   }
 
   static torch::autograd::variable_list backward(
@@ -305,8 +333,11 @@ class BlockedAttentionFunction
             : at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)},
                         q.options());
     const auto grad_weights = grads.size() > 1 ? grads[1] : torch::Tensor();
-    auto [dq, dk, dv] = blocked_backward(q, saved[1], v, load_spec(ctx),
-                                         grad_out, grad_weights);
+    const auto& kept = ctx->saved_data.at("kept");
+    auto [dq, dk, dv] =
+        blocked_backward(q, saved[1], v, load_spec(ctx),
+                         kept.isNone() ? torch::Tensor() : kept.toTensor(),
+                         grad_out, grad_weights);
     return {dq, dk, dv, torch::Tensor()};
   }
 
@@ -326,6 +357,7 @@ class BlockedAttentionFunction
     data["scale"] = spec.scale;
     data["weights"] = static_cast<int64_t>(spec.weights);
     data["block_rows"] = spec.block_rows;
+    data["keep_weights"] = spec.keep_weights;
   }
 
   static BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
@@ -342,6 +374,7 @@ class BlockedAttentionFunction
     spec.scale = data.at("scale").toDouble();
     spec.weights = static_cast<WeightsMode>(data.at("weights").toInt());
     spec.block_rows = data.at("block_rows").toInt();
+    spec.keep_weights = data.at("keep_weights").toBool();
     return spec;
   }
 };
@@ -420,7 +453,7 @@ AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& value,
                                   const torch::Tensor& mask, bool is_causal,
                                   double scale, WeightsMode weights,
-                                  int64_t block_rows) {
+                                  int64_t block_rows, KeptWeights kept) {
   // Everything as 4-D (N, H, T, features); fewer dims become leading 1s.
   auto to_4d = [](const torch::Tensor& t) {
     auto r = t;
@@ -441,6 +474,24 @@ AttentionResult blocked_attention(const torch::Tensor& query,
   spec.weights = weights;
   spec.block_rows = block_rows > 0 ? std::min(block_rows, L)
                                    : default_block_rows(L, S, is_causal);
+  if (kept == KeptWeights::kAuto) {
+    // Keeping the weights saves backward a third of its work (the scores'
+    // GEMM and softmax again); worth its memory while that is small. Without
+    // a gradient to compute nothing is kept.
+    // Measured with mha-bench at (2,128,256,4): forward 0.87-0.90 of
+    // torch::nn with the weights kept vs 0.95 through autograd of the
+    // batched ops (the path small problems took before), forward+backward
+    // unchanged; at (8,256,512,8) keeping 16 MiB gained nothing clear.
+    constexpr int64_t kKeepScores = int64_t{1} << 20;
+    const bool needs_grad =
+        torch::GradMode::is_enabled() &&
+        (query.requires_grad() || key.requires_grad() || value.requires_grad());
+    spec.keep_weights =
+        needs_grad &&
+        query.numel() / std::max<int64_t>(1, query.size(-1)) * S <= kKeepScores;
+  } else {
+    spec.keep_weights = kept == KeptWeights::kAlways;
+  }
   if (is_causal) {
     spec.causal = torch::ones({spec.block_rows, spec.block_rows},
                               torch::TensorOptions().dtype(torch::kBool))
@@ -483,19 +534,7 @@ AttentionResult attention_core(const torch::Tensor& query,
     }
   }
 #endif
-  // With gradients, a small problem is faster through autograd of the
-  // batched ops, which keep the weights, than through the blocked path's
-  // recomputing backward (measured: 2.3 vs 3.3 ms at (N, H, L, S) = (2, 4,
-  // 128, 128); even at 4.2M scores, slower beyond).
-  constexpr int64_t kSmallScores = int64_t{1} << 20;
-  const bool needs_grad =
-      torch::GradMode::is_enabled() &&
-      (query.requires_grad() || key.requires_grad() || value.requires_grad());
-  const bool small =
-      query.numel() / std::max<int64_t>(1, query.size(-1)) * key.size(-2) <=
-      kSmallScores;
-  if (!(needs_grad && small) &&
-      blocked_attention_applies(query, key, mask, dropout_p)) {
+  if (blocked_attention_applies(query, key, mask, dropout_p)) {
     return blocked_attention(query, key, value, mask, is_causal, scale,
                              weights);
   }

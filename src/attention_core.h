@@ -57,19 +57,29 @@ bool blocked_attention_applies(const torch::Tensor& query,
                                const torch::Tensor& key,
                                const torch::Tensor& mask, double dropout_p);
 
+/// Whether blocked attention keeps each block's weights for backward.
+enum class KeptWeights {
+  kAuto,    ///< when a gradient is needed and N·H·L·S <= 2^20
+  kAlways,  ///< (when autograd records the call)
+  kNever,   ///< backward recomputes them block by block
+};
+
 /// Blocked attention: for each (batch, head), query rows in blocks of
 /// `block_rows` (0: chosen from S), scores of one block at a time in a
 /// reused buffer, scale folded into the GEMM, mask, causal block and softmax
-/// applied in place, keys right of the diagonal skipped when causal; the
-/// weights are recomputed block by block in backward (a custom autograd
-/// function) instead of being stored. Memory O(block_rows · S) besides the
-/// inputs and outputs. Same contract as attention_core, without dropout.
+/// applied in place, keys right of the diagonal skipped when causal; blocks
+/// spread over ATen's threads (for_each_item). Backward (a custom autograd
+/// function) uses each block's weights kept by forward or, for large
+/// problems (`kept`), recomputes them block by block: memory then
+/// O(block_rows · S) per thread besides the inputs and outputs. Same
+/// contract as attention_core, without dropout.
 AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& key,
                                   const torch::Tensor& value,
                                   const torch::Tensor& mask, bool is_causal,
                                   double scale, WeightsMode weights,
-                                  int64_t block_rows = 0);
+                                  int64_t block_rows = 0,
+                                  KeptWeights kept = KeptWeights::kAuto);
 
 /// Calls body(item, scratch) for every item in [0, items), where scratch is
 /// a tensor of `scratch_elements` with `options` for the calling thread's

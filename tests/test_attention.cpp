@@ -875,59 +875,69 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathEqualsExplicitPath) {
   // the BLAS allows it (ForEachItem below), including uneven shares.
   for (int threads : {1, 2, 3}) {
     const IntraOpThreads set_threads(threads);
-    for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
-      const double tol = dtype == torch::kFloat64 ? 1e-12 : 3e-6;
-      for (auto [L, S] : {std::pair<int64_t, int64_t>{7, 5}, {5, 7}, {9, 9}}) {
-        for (const auto& c : path_cases(N, H, L, S, dtype)) {
-          // The core takes additive masks: bool ones through merge_masks.
-          auto mask = mha::merge_masks({c.mask}, dtype);
-          for (auto mode : {WeightsMode::kNone, WeightsMode::kPerHead,
-                            WeightsMode::kAverage}) {
-            for (int64_t block : {1, 2, 3, 4, 16}) {
-              SCOPED_TRACE(
-                  c.name + ", " + std::string(c10::toString(dtype)) +
-                  ", L=" + std::to_string(L) + ", S=" + std::to_string(S) +
-                  ", block=" + std::to_string(block) + ", weights mode " +
-                  std::to_string(static_cast<int>(mode)));
-              auto opts = torch::TensorOptions().dtype(dtype);
-              auto q = torch::randn({N, H, L, E}, opts);
-              auto k = torch::randn({N, H, S, E}, opts);
-              auto v = torch::randn({N, H, S, E + 1}, opts);
-              auto g_out = torch::randn({N, H, L, E + 1}, opts);
-              auto g_w = mode == WeightsMode::kAverage
-                             ? torch::randn({N, L, S}, opts)
-                             : torch::randn({N, H, L, S}, opts);
-              std::vector<torch::Tensor> results;
-              for (bool blocked : {true, false}) {
-                auto qg = q.clone().requires_grad_();
-                auto kg = k.clone().requires_grad_();
-                auto vg = v.clone().requires_grad_();
-                auto r =
-                    blocked
-                        ? mha::detail::blocked_attention(
-                              qg, kg, vg, mask, c.is_causal, 0.5, mode, block)
-                        : mha::detail::explicit_attention(
-                              qg, kg, vg, mask, c.is_causal, 0.0, 0.5, mode);
-                ASSERT_EQ(r.weights.defined(), mode != WeightsMode::kNone);
-                auto loss = (r.output * g_out).sum();
-                if (r.weights.defined()) {
-                  loss = loss + (r.weights * g_w).sum();
+    // Backward with the weights forward kept, and recomputing them.
+    for (auto kept : {mha::detail::KeptWeights::kAlways,
+                      mha::detail::KeptWeights::kNever}) {
+      for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+        const double tol = dtype == torch::kFloat64 ? 1e-12 : 3e-6;
+        for (auto [L, S] :
+             {std::pair<int64_t, int64_t>{7, 5}, {5, 7}, {9, 9}}) {
+          for (const auto& c : path_cases(N, H, L, S, dtype)) {
+            // The core takes additive masks: bool ones through merge_masks.
+            auto mask = mha::merge_masks({c.mask}, dtype);
+            for (auto mode : {WeightsMode::kNone, WeightsMode::kPerHead,
+                              WeightsMode::kAverage}) {
+              for (int64_t block : {1, 2, 3, 4, 16}) {
+                SCOPED_TRACE(
+                    c.name + ", " + std::string(c10::toString(dtype)) +
+                    ", L=" + std::to_string(L) + ", S=" + std::to_string(S) +
+                    ", block=" + std::to_string(block) + ", weights mode " +
+                    std::to_string(static_cast<int>(mode)));
+                auto opts = torch::TensorOptions().dtype(dtype);
+                auto q = torch::randn({N, H, L, E}, opts);
+                auto k = torch::randn({N, H, S, E}, opts);
+                auto v = torch::randn({N, H, S, E + 1}, opts);
+                auto g_out = torch::randn({N, H, L, E + 1}, opts);
+                auto g_w = mode == WeightsMode::kAverage
+                               ? torch::randn({N, L, S}, opts)
+                               : torch::randn({N, H, L, S}, opts);
+                std::vector<torch::Tensor> results;
+                for (bool blocked : {true, false}) {
+                  auto qg = q.clone().requires_grad_();
+                  auto kg = k.clone().requires_grad_();
+                  auto vg = v.clone().requires_grad_();
+                  auto r =
+                      blocked
+                          ? mha::detail::blocked_attention(qg, kg, vg, mask,
+                                                           c.is_causal, 0.5,
+                                                           mode, block, kept)
+                          : mha::detail::explicit_attention(
+                                qg, kg, vg, mask, c.is_causal, 0.0, 0.5, mode);
+                  ASSERT_EQ(r.weights.defined(), mode != WeightsMode::kNone);
+                  auto loss = (r.output * g_out).sum();
+                  if (r.weights.defined()) {
+                    loss = loss + (r.weights * g_w).sum();
+                  }
+                  loss.backward();
+                  results.insert(results.end(),
+                                 {r.output.detach(),
+                                  r.weights.defined() ? r.weights.detach()
+                                                      : torch::zeros({1}, opts),
+                                  qg.grad(), kg.grad(), vg.grad()});
                 }
-                loss.backward();
-                results.insert(results.end(),
-                               {r.output.detach(),
-                                r.weights.defined() ? r.weights.detach()
-                                                    : torch::zeros({1}, opts),
-                                qg.grad(), kg.grad(), vg.grad()});
-              }
-              const char* names[] = {"output", "weights", "query grad",
-                                     "key grad", "value grad"};
-              for (int i = 0; i < 5; ++i) {
-                EXPECT_FALSE(torch::isnan(results[i]).any().item<bool>())
-                    << names[i] << " has NaN";
-                expect_close(results[i], results[i + 5], tol, tol,
-                             std::string(names[i]) + ", " +
-                                 std::to_string(threads) + " threads");
+                const char* names[] = {"output", "weights", "query grad",
+                                       "key grad", "value grad"};
+                for (int i = 0; i < 5; ++i) {
+                  EXPECT_FALSE(torch::isnan(results[i]).any().item<bool>())
+                      << names[i] << " has NaN";
+                  expect_close(results[i], results[i + 5], tol, tol,
+                               std::string(names[i]) + ", " +
+                                   std::to_string(threads) +
+                                   " threads, weights " +
+                                   (kept == mha::detail::KeptWeights::kAlways
+                                        ? "kept"
+                                        : "recomputed"));
+                }
               }
             }
           }
@@ -938,9 +948,12 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathEqualsExplicitPath) {
 }
 
 // The default block sizes: several 256-row blocks when causal (L = 520),
-// and 128-row blocks when S is long (S = 8400, 2^20 / S < 128).
+// and 128-row blocks when S is long (S = 8400, 2^20 / S < 128); the
+// default for backward: weights kept at 2·520² scores, recomputed at
+// 2·200·8400 (over 2^20); on 2 threads.
 TEST_F(ScaledDotProductAttentionTest, BlockedPathWithDefaultBlocks) {
   using mha::detail::WeightsMode;
+  const IntraOpThreads set_threads(2);
   struct Shape {
     int64_t L, S;
     bool is_causal;
