@@ -36,6 +36,16 @@ torch::Tensor shape_weights(const torch::Tensor& weights, WeightsMode mode) {
   return torch::Tensor();
 }
 
+/// t (N, Hkv, S, D) with each key/value head repeated for its heads / Hkv
+/// query heads: (N, heads, S, D), head h a copy of t's head h / (heads /
+/// Hkv), as repeat_kv in Llama.
+torch::Tensor repeat_kv(const torch::Tensor& t, int64_t heads) {
+  const auto N = t.size(0), Hkv = t.size(1), S = t.size(2), D = t.size(3);
+  return t.unsqueeze(2)
+      .expand({N, Hkv, heads / Hkv, S, D})
+      .reshape({N, heads, S, D});
+}
+
 /// `mask` (additive or undefined) with the top-left causal block merged in.
 torch::Tensor with_causal(const torch::Tensor& mask, const torch::Tensor& query,
                           const torch::Tensor& key) {
@@ -183,6 +193,7 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,
                                const BlockedSpec& spec) {
   const auto N = q.size(0), H = q.size(1), L = q.size(2);
+  const auto group = H / k.size(1);  // query heads per key/value head
   const auto S = k.size(2), Dv = v.size(3);
   const auto B = spec.block_rows;
   auto out = at::empty({N, L, H, Dv}, q.options());
@@ -211,7 +222,9 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
         const auto cols = visible_keys(spec, row0, rows, S);
         auto p = scratch.narrow(0, 0, rows * cols).view({rows, cols});
         for (auto h = h_begin; h < h_end; ++h) {
-          const auto q_nh = q[n][h], k_nh = k[n][h], v_nh = v[n][h];  // (T, D)
+          // (T, D); key/value head h / group
+          const auto q_nh = q[n][h], k_nh = k[n][h / group],
+                     v_nh = v[n][h / group];
           const auto mask = spec.mask.defined() ? select_nh(spec.mask, n, h)
                                                 : torch::Tensor();
           const auto blocked = spec.mask.defined()
@@ -242,61 +255,74 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
 /// weights are taken from `kept` (blocked_forward's, when defined) or
 /// recomputed; then dV += Pᵀ·dO, dP = dO·Vᵀ (+ dW),
 /// dS = softmax'(P, dP), dQ = scale·dS·K, dK += scale·dSᵀ·Q. A work item is
-/// one (n, h): its blocks add into the same dK and dV.
+/// one n and key/value head: the blocks of its query heads add into the same
+/// dK and dV.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const BlockedSpec& spec, const torch::Tensor& kept,
     const torch::Tensor& grad_out, const torch::Tensor& grad_weights) {
   const auto N = q.size(0), H = q.size(1), L = q.size(2);
-  const auto S = k.size(2);
+  const auto S = k.size(2), Hkv = k.size(1);
+  const auto group = H / Hkv;  // query heads per key/value head
   const auto B = spec.block_rows;
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::zeros(k.sizes(), k.options());
   auto dv = at::zeros(v.sizes(), v.options());
   for_each_item(
-      N * H, 3 * B * S, q.options(), [&](int64_t item, torch::Tensor& scratch) {
-        const auto n = item / H, h = item % H;
-        const auto q_nh = q[n][h], k_nh = k[n][h], v_nh = v[n][h];
-        const auto mask =
-            spec.mask.defined() ? select_nh(spec.mask, n, h) : torch::Tensor();
-        const auto blocked = spec.mask.defined() ? select_nh(spec.blocked, n, h)
-                                                 : torch::Tensor();
-        const auto go_nh = grad_out[n][h];  // (L, Dv)
-        auto dq_nh = dq[n][h], dk_nh = dk[n][h], dv_nh = dv[n][h];
-        for (int64_t row0 = 0; row0 < L; row0 += B) {
-          const auto rows = std::min(B, L - row0);
-          const auto cols = visible_keys(spec, row0, rows, S);
-          auto buffer = [&](int64_t i) {
-            return scratch.narrow(0, i * B * S, rows * cols).view({rows, cols});
-          };
-          auto p = buffer(0), dp = buffer(1), ds = buffer(2);
-          if (kept.defined()) {
-            // Copied: a causal block's rows are strided in `kept`, and ATen's
-            // softmax backward below takes contiguous weights.
-            p.copy_(kept[n][h].narrow(0, row0, rows).narrow(1, 0, cols));
-          } else {
-            block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
-          }
-          const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
-          auto dv_cols = dv_nh.narrow(0, 0, cols);
-          dv_cols.addmm_(p.t(), go);
-          at::mm_out(dp, go, v_nh.narrow(0, 0, cols).t());
-          if (grad_weights.defined()) {
-            if (spec.weights == WeightsMode::kPerHead) {
-              dp.add_(
-                  grad_weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols));
+      N * Hkv, 3 * B * S, q.options(),
+      [&](int64_t item, torch::Tensor& scratch) {
+        const auto n = item / Hkv, h_kv = item % Hkv;
+        const auto k_nh = k[n][h_kv], v_nh = v[n][h_kv];
+        auto dk_nh = dk[n][h_kv], dv_nh = dv[n][h_kv];
+        for (auto h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+          const auto q_nh = q[n][h];
+          const auto mask = spec.mask.defined() ? select_nh(spec.mask, n, h)
+                                                : torch::Tensor();
+          const auto blocked = spec.mask.defined()
+                                   ? select_nh(spec.blocked, n, h)
+                                   : torch::Tensor();
+          const auto go_nh = grad_out[n][h];  // (L, Dv)
+          auto dq_nh = dq[n][h];
+          for (int64_t row0 = 0; row0 < L; row0 += B) {
+            const auto rows = std::min(B, L - row0);
+            const auto cols = visible_keys(spec, row0, rows, S);
+            auto buffer = [&](int64_t i) {
+              return scratch.narrow(0, i * B * S, rows * cols)
+                  .view({rows, cols});
+            };
+            auto p = buffer(0), dp = buffer(1), ds = buffer(2);
+            if (kept.defined()) {
+              // Copied: a causal block's rows are strided in `kept`, and ATen's
+              // softmax backward below takes contiguous weights.
+              p.copy_(kept[n][h].narrow(0, row0, rows).narrow(1, 0, cols));
             } else {
-              dp.add_(grad_weights[n].narrow(0, row0, rows).narrow(1, 0, cols),
-                      1.0 / static_cast<double>(H));
+              block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows,
+                            cols);
             }
+            const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
+            auto dv_cols = dv_nh.narrow(0, 0, cols);
+            dv_cols.addmm_(p.t(), go);
+            at::mm_out(dp, go, v_nh.narrow(0, 0, cols).t());
+            if (grad_weights.defined()) {
+              if (spec.weights == WeightsMode::kPerHead) {
+                dp.add_(grad_weights[n][h]
+                            .narrow(0, row0, rows)
+                            .narrow(1, 0, cols));
+              } else {
+                dp.add_(
+                    grad_weights[n].narrow(0, row0, rows).narrow(1, 0, cols),
+                    1.0 / static_cast<double>(H));
+              }
+            }
+            at::_softmax_backward_data_out(ds, dp, p, /*dim=*/1,
+                                           q.scalar_type());
+            auto dq_rows = dq_nh.narrow(0, row0, rows);
+            at::addmm_out(dq_rows, dq_rows, ds, k_nh.narrow(0, 0, cols),
+                          /*beta=*/0, /*alpha=*/spec.scale);
+            auto dk_cols = dk_nh.narrow(0, 0, cols);
+            dk_cols.addmm_(ds.t(), q_nh.narrow(0, row0, rows), /*beta=*/1,
+                           /*alpha=*/spec.scale);
           }
-          at::_softmax_backward_data_out(ds, dp, p, /*dim=*/1, q.scalar_type());
-          auto dq_rows = dq_nh.narrow(0, row0, rows);
-          at::addmm_out(dq_rows, dq_rows, ds, k_nh.narrow(0, 0, cols),
-                        /*beta=*/0, /*alpha=*/spec.scale);
-          auto dk_cols = dk_nh.narrow(0, 0, cols);
-          dk_cols.addmm_(ds.t(), q_nh.narrow(0, row0, rows), /*beta=*/1,
-                         /*alpha=*/spec.scale);
         }
       });
   return {dq, dk, dv};
@@ -512,11 +538,22 @@ AttentionResult blocked_attention(const torch::Tensor& query,
 }
 
 AttentionResult attention_core(const torch::Tensor& query,
-                               const torch::Tensor& key,
-                               const torch::Tensor& value,
+                               const torch::Tensor& key_in,
+                               const torch::Tensor& value_in,
                                const torch::Tensor& mask, bool is_causal,
                                double dropout_p, double scale,
                                WeightsMode weights) {
+  const bool grouped = query.dim() == 4 && key_in.size(1) != query.size(1);
+  TORCH_INTERNAL_ASSERT(!grouped || query.size(1) % key_in.size(1) == 0,
+                        "attention_core: key/value heads must divide query's");
+  if (grouped && blocked_attention_applies(query, key_in, mask, dropout_p)) {
+    // The blocked path reads key/value head h / group for query head h.
+    return blocked_attention(query, key_in, value_in, mask, is_causal, scale,
+                             weights);
+  }
+  // Elsewhere each query head gets its key/value head, copied.
+  const auto key = grouped ? repeat_kv(key_in, query.size(1)) : key_in;
+  const auto value = grouped ? repeat_kv(value_in, query.size(1)) : value_in;
 #if MHA_HAS_FUSED_SDPA
   if (weights == WeightsMode::kNone) {
     // LibTorch refuses is_causal together with a mask: merge them then.

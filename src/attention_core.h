@@ -26,7 +26,9 @@ struct AttentionResult {
 /// 0. `mask` is additive (0 / -inf / any float) of query's dtype,
 /// broadcastable to (..., L, S), or undefined; `is_causal` blocks key j for
 /// query i when j > i (top-left), on top of `mask`. Inputs are assumed
-/// checked; kAverage needs 4-D (N, H, L, E) inputs.
+/// checked; kAverage needs 4-D (N, H, L, E) inputs. 4-D key and value may
+/// have fewer heads Hkv than query's H, dividing it (grouped-query
+/// attention): query head h then attends with key/value head h / (H / Hkv).
 ///
 /// Three paths with the same results within the dtype's tolerance:
 /// - without weights, LibTorch's fused kernel where it meets the semantics

@@ -1,6 +1,6 @@
 // Glossary: N batch, L target (query) length, S source (key) length,
 // S' = S plus the add_bias_kv / add_zero_attn positions, E embed_dim,
-// H num_heads, D head_dim = E / H.
+// H num_heads, D head_dim = E / H, Hkv num_kv_heads, Ekv = Hkv·D.
 #include "mha/multi_head_attention.h"
 
 #include <cmath>
@@ -66,8 +66,13 @@ int64_t MultiHeadAttentionImpl::vdim() const {
   return options.vdim().value_or(options.embed_dim());
 }
 
+int64_t MultiHeadAttentionImpl::num_kv_heads() const {
+  return options.num_kv_heads().value_or(options.num_heads());
+}
+
 bool MultiHeadAttentionImpl::packed_in_proj() const {
-  return kdim() == options.embed_dim() && vdim() == options.embed_dim();
+  return kdim() == options.embed_dim() && vdim() == options.embed_dim() &&
+         num_kv_heads() == options.num_heads();
 }
 
 void MultiHeadAttentionImpl::reset() {
@@ -77,6 +82,11 @@ void MultiHeadAttentionImpl::reset() {
   TORCH_CHECK(H > 0, "MultiHeadAttention: num_heads must be > 0, but got ", H);
   TORCH_CHECK(E % H == 0, "MultiHeadAttention: embed_dim (", E,
               ") must be divisible by num_heads (", H, ")");
+  const int64_t Hkv = num_kv_heads();
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0,
+              "MultiHeadAttention: num_kv_heads must be > 0 and divide "
+              "num_heads (",
+              H, "), but got ", Hkv);
   TORCH_CHECK(kdim() > 0 && vdim() > 0,
               "MultiHeadAttention: kdim and vdim must be > 0, but got kdim=",
               kdim(), ", vdim=", vdim());
@@ -84,6 +94,7 @@ void MultiHeadAttentionImpl::reset() {
               "MultiHeadAttention: dropout must be in [0, 1), but got ",
               options.dropout());
   head_dim = E / H;
+  const int64_t Ekv = Hkv * head_dim;
 
   // Registration order as PyTorch's, so named_parameters() lists the same
   // keys in the same order. Unused parameters are not registered.
@@ -96,16 +107,17 @@ void MultiHeadAttentionImpl::reset() {
   } else {
     q_proj_weight = register_parameter("q_proj_weight", torch::empty({E, E}));
     k_proj_weight =
-        register_parameter("k_proj_weight", torch::empty({E, kdim()}));
+        register_parameter("k_proj_weight", torch::empty({Ekv, kdim()}));
     v_proj_weight =
-        register_parameter("v_proj_weight", torch::empty({E, vdim()}));
+        register_parameter("v_proj_weight", torch::empty({Ekv, vdim()}));
   }
   if (options.bias()) {
-    in_proj_bias = register_parameter("in_proj_bias", torch::empty({3 * E}));
+    in_proj_bias =
+        register_parameter("in_proj_bias", torch::empty({E + 2 * Ekv}));
   }
   if (options.add_bias_kv()) {
-    bias_k = register_parameter("bias_k", torch::empty({1, 1, E}));
-    bias_v = register_parameter("bias_v", torch::empty({1, 1, E}));
+    bias_k = register_parameter("bias_k", torch::empty({1, 1, Ekv}));
+    bias_v = register_parameter("bias_v", torch::empty({1, 1, Ekv}));
   }
   out_proj = register_module(
       "out_proj",
@@ -155,6 +167,9 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   }
   if (options.vdim().has_value()) {
     stream << ", vdim=" << *options.vdim();
+  }
+  if (options.num_kv_heads().has_value()) {
+    stream << ", num_kv_heads=" << *options.num_kv_heads();
   }
   if (!options.batch_first()) {
     stream << ", batch_first=false";
@@ -302,9 +317,14 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
   const int64_t E = m.options.embed_dim();
   const auto& b = m.in_proj_bias;
   if (!m.packed_in_proj()) {
-    return {detail::project(query, m.q_proj_weight, slice_rows(b, 0, E)),
-            detail::project(key, m.k_proj_weight, slice_rows(b, 1, E)),
-            detail::project(value, m.v_proj_weight, slice_rows(b, 2, E))};
+    // in_proj_bias rows: query [0, E), key [E, E + Ekv), value [E + Ekv, ...)
+    const int64_t Ekv = m.num_kv_heads() * m.head_dim;
+    auto rows = [&](int64_t start, int64_t count) {
+      return b.defined() ? b.narrow(0, start, count) : b;
+    };
+    return {detail::project(query, m.q_proj_weight, rows(0, E)),
+            detail::project(key, m.k_proj_weight, rows(E, Ekv)),
+            detail::project(value, m.v_proj_weight, rows(E + Ekv, Ekv))};
   }
   const auto& w = m.in_proj_weight;
   if (self_attention) {
@@ -363,16 +383,17 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   auto p = project_inputs(*this, in.query, in.key, in.value, self_attention,
                           key_is_value);
   if (options.add_bias_kv()) {
-    p.k = torch::cat({p.k, bias_k.expand({N, 1, -1})}, 1);  // (N, S+1, E)
-    p.v = torch::cat({p.v, bias_v.expand({N, 1, -1})}, 1);  // (N, S+1, E)
+    p.k = torch::cat({p.k, bias_k.expand({N, 1, -1})}, 1);  // (N, S+1, Ekv)
+    p.v = torch::cat({p.v, bias_v.expand({N, 1, -1})}, 1);  // (N, S+1, Ekv)
   }
-  auto q = split_heads(p.q, H);  // (N, H, L, D)
-  auto k = split_heads(p.k, H);  // (N, H, S', D)
-  auto v = split_heads(p.v, H);  // (N, H, S', D)
+  const int64_t Hkv = num_kv_heads();
+  auto q = split_heads(p.q, H);    // (N, H, L, D)
+  auto k = split_heads(p.k, Hkv);  // (N, Hkv, S', D)
+  auto v = split_heads(p.v, Hkv);  // (N, Hkv, S', D)
   if (options.add_zero_attn()) {
-    k = torch::cat({k, torch::zeros({N, H, 1, head_dim}, k.options())},
-                   2);  // (N, H, S'+1, D)
-    v = torch::cat({v, torch::zeros({N, H, 1, head_dim}, v.options())}, 2);
+    k = torch::cat({k, torch::zeros({N, Hkv, 1, head_dim}, k.options())},
+                   2);  // (N, Hkv, S'+1, D)
+    v = torch::cat({v, torch::zeros({N, Hkv, 1, head_dim}, v.options())}, 2);
   }
   const int64_t extra = k.size(2) - S;
   if (mask.defined() && extra > 0) {

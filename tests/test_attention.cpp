@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -1003,6 +1004,78 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathUnderNoGradAndLowRanks) {
         q, k, v, torch::Tensor(), true, 0.0, 0.5, WeightsMode::kPerHead);
     expect_close(blocked.output, plain.output, 2e-6, 2e-6, "output");
     expect_close(blocked.weights, plain.weights, 2e-6, 2e-6, "weights");
+  }
+}
+
+// Grouped key/value heads (4-D key and value with fewer heads than query)
+// on every path of the core: blocked with weights kept or recomputed, on 1
+// and 2 threads, and the explicit path (taken when the mask needs a
+// gradient), against the explicit path on key/value heads repeated by hand.
+TEST_F(ScaledDotProductAttentionTest, GroupedKeyValueHeadsOnEveryPath) {
+  using mha::detail::KeptWeights;
+  using mha::detail::WeightsMode;
+  const int64_t N = 2, H = 6, L = 9, S = 11, E = 4;
+  for (int64_t Hkv : {1, 2, 3}) {
+    auto q = torch::randn({N, H, L, E}, torch::kFloat64);
+    auto k = torch::randn({N, Hkv, S, E}, torch::kFloat64);
+    auto v = torch::randn({N, Hkv, S, E + 1}, torch::kFloat64);
+    auto mask = torch::zeros({N, 1, 1, S}, torch::kFloat64);
+    mask[1][0][0][3] = -kInf;
+    auto g = torch::randn({N, H, L, E + 1}, torch::kFloat64);
+    auto run = [&](const std::function<mha::detail::AttentionResult(
+                       const torch::Tensor&, const torch::Tensor&,
+                       const torch::Tensor&)>& attend) {
+      auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(),
+           vg = v.clone().requires_grad_();
+      auto r = attend(qg, kg, vg);
+      ((r.output * g).sum() + r.weights.pow(2).sum()).backward();
+      return std::vector<torch::Tensor>{r.output.detach(), r.weights.detach(),
+                                        qg.grad(), kg.grad(), vg.grad()};
+    };
+    // Reference: heads repeated by hand (head h uses h / (H / Hkv)).
+    auto expected = run([&](const torch::Tensor& qg, const torch::Tensor& kg,
+                            const torch::Tensor& vg) {
+      return mha::detail::explicit_attention(
+          qg, kg.repeat_interleave(H / Hkv, 1),
+          vg.repeat_interleave(H / Hkv, 1), mask, true, 0.0, 0.5,
+          WeightsMode::kPerHead);
+    });
+    std::vector<std::pair<std::string, std::vector<torch::Tensor>>> paths;
+    for (int threads : {1, 2}) {
+      const IntraOpThreads set_threads(threads);
+      for (auto kept : {KeptWeights::kAlways, KeptWeights::kNever}) {
+        paths.emplace_back(
+            "blocked, " + std::to_string(threads) + " threads, weights " +
+                (kept == KeptWeights::kAlways ? "kept" : "recomputed"),
+            run([&](const torch::Tensor& qg, const torch::Tensor& kg,
+                    const torch::Tensor& vg) {
+              return mha::detail::blocked_attention(
+                  qg, kg, vg, mask, true, 0.5, WeightsMode::kPerHead, 4, kept);
+            }));
+      }
+    }
+    paths.emplace_back("core, explicit (mask needs a gradient)",
+                       run([&](const torch::Tensor& qg, const torch::Tensor& kg,
+                               const torch::Tensor& vg) {
+                         return mha::detail::attention_core(
+                             qg, kg, vg, mask.clone().requires_grad_(), true,
+                             0.0, 0.5, WeightsMode::kPerHead);
+                       }));
+    paths.emplace_back("core, default",
+                       run([&](const torch::Tensor& qg, const torch::Tensor& kg,
+                               const torch::Tensor& vg) {
+                         return mha::detail::attention_core(
+                             qg, kg, vg, mask, true, 0.0, 0.5,
+                             WeightsMode::kPerHead);
+                       }));
+    const char* names[] = {"output", "weights", "query grad", "key grad",
+                           "value grad"};
+    for (const auto& [path, results] : paths) {
+      for (int i = 0; i < 5; ++i) {
+        expect_close(results[i], expected[i], 1e-12, 1e-12,
+                     path + ", Hkv=" + std::to_string(Hkv) + ": " + names[i]);
+      }
+    }
   }
 }
 

@@ -676,3 +676,179 @@ TEST_F(MultiHeadAttentionTest, AnyModuleWithDefaultsLeftOut) {
 }
 
 }  // namespace
+
+// ------------------------------------------ grouped-query attention ---
+// num_kv_heads < num_heads against a float64 reference written out here
+// with each key/value head repeated for its query heads (repeat_interleave,
+// as repeat_kv in Llama): outputs, weights and every gradient, on the
+// blocked path (weights kept or recomputed, 1 and 2 threads) and with
+// masks, causal, cross-attention and the appended key positions.
+namespace {
+
+struct GqaReference {
+  torch::Tensor output, weights;  // (N, L, E), (N, H, L, S')
+};
+
+/// The module's computation by hand in float64, batch_first inputs.
+GqaReference gqa_reference(const mha::MultiHeadAttentionImpl& m,
+                           const torch::Tensor& query, const torch::Tensor& key,
+                           const torch::Tensor& value,
+                           const torch::Tensor& padding,  // bool (N, S) or {}
+                           bool is_causal) {
+  auto f64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
+  const int64_t E = m.options.embed_dim(), H = m.options.num_heads();
+  const int64_t Hkv = m.num_kv_heads(), D = E / H, Ekv = Hkv * D;
+  const int64_t N = query.size(0), L = query.size(1), S = key.size(1);
+  auto b = f64(m.in_proj_bias);
+  // Rows of in_proj_weight when packed (num_kv_heads == num_heads).
+  const bool packed = m.packed_in_proj();
+  auto wq = packed ? m.in_proj_weight.narrow(0, 0, E) : m.q_proj_weight;
+  auto wk = packed ? m.in_proj_weight.narrow(0, E, E) : m.k_proj_weight;
+  auto wv = packed ? m.in_proj_weight.narrow(0, 2 * E, E) : m.v_proj_weight;
+  auto q = torch::matmul(f64(query), f64(wq).t()) + b.narrow(0, 0, E);
+  auto k = torch::matmul(f64(key), f64(wk).t()) + b.narrow(0, E, Ekv);
+  auto v = torch::matmul(f64(value), f64(wv).t()) + b.narrow(0, E + Ekv, Ekv);
+  if (m.options.add_bias_kv()) {
+    k = torch::cat({k, f64(m.bias_k).expand({N, 1, Ekv})}, 1);
+    v = torch::cat({v, f64(m.bias_v).expand({N, 1, Ekv})}, 1);
+  }
+  auto heads = [&](const torch::Tensor& t, int64_t h) {
+    return t.view({N, t.size(1), h, D}).transpose(1, 2);  // (N, h, T, D)
+  };
+  auto qh = heads(q, H);
+  auto kh = heads(k, Hkv).repeat_interleave(H / Hkv, /*dim=*/1);
+  auto vh = heads(v, Hkv).repeat_interleave(H / Hkv, /*dim=*/1);
+  if (m.options.add_zero_attn()) {
+    kh = torch::cat({kh, torch::zeros({N, H, 1, D}, kh.options())}, 2);
+    vh = torch::cat({vh, torch::zeros({N, H, 1, D}, vh.options())}, 2);
+  }
+  const int64_t S2 = kh.size(2);  // S + appended positions
+  auto scores = torch::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(double(D));
+  auto blocked = torch::zeros({N, 1, L, S2}, torch::kBool);
+  if (padding.defined()) {
+    blocked.narrow(3, 0, S).logical_or_(padding.view({N, 1, 1, S}));
+  }
+  if (is_causal) {
+    blocked.narrow(3, 0, S).logical_or_(
+        torch::ones({L, S}, torch::kBool).triu(1).view({1, 1, L, S}));
+  }
+  scores = scores.masked_fill(blocked, -kInf);
+  auto weights = torch::softmax(scores, -1);  // (N, H, L, S')
+  auto attended = torch::matmul(weights, vh).transpose(1, 2).reshape({N, L, E});
+  auto output = torch::matmul(attended, f64(m.out_proj->weight).t()) +
+                f64(m.out_proj->bias);
+  return {output, weights};
+}
+
+}  // namespace
+
+TEST_F(MultiHeadAttentionTest, GroupedQueryAttentionEqualsRepeatedKvHeads) {
+  const int64_t E = 16, H = 4, N = 2;
+  struct Case {
+    int64_t num_kv_heads, L, S;
+    bool cross, causal, padding, bias_kv, zero_attn;
+  };
+  const Case cases[] = {
+      {2, 7, 7, false, false, false, false, false},
+      {1, 7, 7, false, true, true, false, false},  // multi-query, causal
+      {2, 5, 9, true, false, true, false, false},  // cross, L != S
+      {2, 9, 6, true, true, false, true, true},    // appended positions
+      {4, 6, 6, false, true, true, false, false},  // = num_heads: packed
+  };
+  for (int threads : {1, 2}) {
+    const IntraOpThreads set_threads(threads);
+    for (const auto& c : cases) {
+      for (bool average : {true, false}) {
+        SCOPED_TRACE(
+            "num_kv_heads=" + std::to_string(c.num_kv_heads) +
+            ", L=" + std::to_string(c.L) + ", S=" + std::to_string(c.S) +
+            (c.causal ? ", causal" : "") + (c.padding ? ", padding" : "") +
+            (c.bias_kv ? ", bias_kv" : "") + ", threads " +
+            std::to_string(threads) + (average ? ", averaged" : ", per head"));
+        mha::MultiHeadAttention m(mha::MultiHeadAttentionOptions(E, H)
+                                      .num_kv_heads(c.num_kv_heads)
+                                      .add_bias_kv(c.bias_kv)
+                                      .add_zero_attn(c.zero_attn));
+        {
+          torch::NoGradGuard no_grad;
+          m->in_proj_bias.uniform_(-0.5, 0.5);
+          m->out_proj->bias.uniform_(-0.5, 0.5);
+        }
+        auto query = torch::randn({N, c.L, E}).requires_grad_();
+        auto key = c.cross ? torch::randn({N, c.S, E}).requires_grad_() : query;
+        auto value =
+            c.cross ? torch::randn({N, c.S, E}).requires_grad_() : query;
+        torch::Tensor padding;
+        if (c.padding) {
+          padding = torch::zeros({N, c.S}, torch::kBool);
+          padding[0][c.S - 1] = true;
+          padding[1][1] = true;  // not key 0: no fully masked causal row
+        }
+        auto [out, weights] =
+            m(query, c.cross ? key : torch::Tensor(),
+              c.cross ? value : torch::Tensor(), padding,
+              /*need_weights=*/true, torch::Tensor(), average, c.causal);
+        auto ref = gqa_reference(*m, query, key, value, padding, c.causal);
+        expect_close(out, ref.output, 1e-5, 1e-5, "output");
+        expect_close(weights, average ? ref.weights.mean(1) : ref.weights, 1e-5,
+                     1e-5, "weights");
+        // Gradients of the inputs and every parameter, through the output
+        // and the weights.
+        auto g_out = torch::randn(out.sizes());
+        auto g_w = torch::randn(weights.sizes());
+        auto loss = (out * g_out).sum() + (weights * g_w).sum();
+        auto ref_w = average ? ref.weights.mean(1) : ref.weights;
+        auto ref_loss = (ref.output * g_out.to(torch::kFloat64)).sum() +
+                        (ref_w * g_w.to(torch::kFloat64)).sum();
+        std::vector<torch::Tensor> wrt{query};
+        std::vector<std::string> names{"query"};
+        if (c.cross) {
+          wrt.insert(wrt.end(), {key, value});
+          names.insert(names.end(), {"key", "value"});
+        }
+        for (const auto& p : m->named_parameters()) {
+          wrt.push_back(p.value());
+          names.push_back(p.key());
+        }
+        auto grads = torch::autograd::grad({loss}, wrt);
+        auto ref_grads = torch::autograd::grad({ref_loss}, wrt);
+        for (size_t i = 0; i < wrt.size(); ++i) {
+          expect_close(grads[i], ref_grads[i], 1e-4, 1e-4,
+                       "gradient of " + names[i]);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(MultiHeadAttentionTest, GroupedQueryAttentionParametersAndErrors) {
+  mha::MultiHeadAttention m(
+      mha::MultiHeadAttentionOptions(16, 4).num_kv_heads(2).add_bias_kv(true));
+  EXPECT_FALSE(m->in_proj_weight.defined());
+  EXPECT_EQ(m->q_proj_weight.sizes(), (std::vector<int64_t>{16, 16}));
+  EXPECT_EQ(m->k_proj_weight.sizes(), (std::vector<int64_t>{8, 16}));
+  EXPECT_EQ(m->v_proj_weight.sizes(), (std::vector<int64_t>{8, 16}));
+  EXPECT_EQ(m->in_proj_bias.sizes(), (std::vector<int64_t>{32}));
+  EXPECT_EQ(m->bias_k.sizes(), (std::vector<int64_t>{1, 1, 8}));
+  EXPECT_EQ(m->num_kv_heads(), 2);
+  std::ostringstream printed;
+  printed << *m;
+  EXPECT_NE(printed.str().find("num_kv_heads=2"), std::string::npos)
+      << printed.str();
+  // The default keeps PyTorch's packed layout.
+  mha::MultiHeadAttention plain(16, 4);
+  EXPECT_EQ(plain->num_kv_heads(), 4);
+  EXPECT_TRUE(plain->in_proj_weight.defined());
+  EXPECT_THROW_MSG(
+      mha::MultiHeadAttention(
+          mha::MultiHeadAttentionOptions(16, 4).num_kv_heads(3)),
+      "num_kv_heads must be > 0 and divide num_heads (4), but got 3");
+  EXPECT_THROW_MSG(
+      mha::MultiHeadAttention(
+          mha::MultiHeadAttentionOptions(16, 4).num_kv_heads(0)),
+      "num_kv_heads must be > 0 and divide num_heads (4), but got 0");
+  // Features are checked against kdim as before.
+  EXPECT_THROW_MSG(m(torch::randn({2, 5, 16}), torch::randn({2, 5, 8}),
+                     torch::randn({2, 5, 16})),
+                   "key must have kdim = 16");
+}

@@ -46,16 +46,26 @@ struct MultiHeadAttentionOptions {
   /// true: inputs (N, L, E); false: (L, N, E) as torch::nn. Default true
   /// (our choice; PyTorch's default is false).
   TORCH_ARG(bool, batch_first) = true;
+  /// Key/value heads for grouped-query attention (Ainslie et al., 2023;
+  /// 1: multi-query attention, Shazeer, 2019): num_heads / num_kv_heads query
+  /// heads share each key/value head (query head h uses key/value head
+  /// h / (num_heads / num_kv_heads), as repeat_kv in Llama). Must divide
+  /// num_heads. Default (nullopt): num_heads, PyTorch's multi-head attention.
+  /// Not in torch::nn: with fewer key/value heads the module has no packed
+  /// in_proj_weight (see the parameters below).
+  TORCH_ARG(c10::optional<int64_t>, num_kv_heads) = c10::nullopt;
 };
 
 /// Multi-head attention: out_proj(concat_h softmax(Q_h K_hᵀ / sqrt(D) + mask)
 /// V_h), Q = query·W_qᵀ + b_q, K = key·W_kᵀ + b_k, V = value·W_vᵀ + b_v.
 ///
-/// Parameters (names as PyTorch's, so state dicts move both ways):
-///   in_proj_weight (3E, E)         when kdim == vdim == E, else
-///   q_proj_weight (E, E), k_proj_weight (E, kdim), v_proj_weight (E, vdim);
-///   in_proj_bias (3E)              when bias;
-///   bias_k, bias_v (1, 1, E)       when add_bias_kv;
+/// Parameters (names as PyTorch's, so state dicts move both ways), with
+/// Ekv = num_kv_heads · head_dim (E unless num_kv_heads is set):
+///   in_proj_weight (3E, E)         when kdim == vdim == E and Ekv == E, else
+///   q_proj_weight (E, E), k_proj_weight (Ekv, kdim),
+///   v_proj_weight (Ekv, vdim);
+///   in_proj_bias (E + 2 Ekv)       when bias (rows: query, key, value);
+///   bias_k, bias_v (1, 1, Ekv)     when add_bias_kv;
 ///   out_proj.weight (E, E), out_proj.bias (E) (bias only when bias).
 /// Initialised as PyTorch: xavier_uniform projections, zero biases,
 /// xavier_normal bias_k / bias_v, out_proj.weight as nn.Linear.
@@ -132,7 +142,10 @@ class MultiHeadAttentionImpl
   int64_t kdim() const;
   /// Features of value (vdim, or embed_dim when unset).
   int64_t vdim() const;
-  /// True when Q, K and V share the packed in_proj_weight (kdim == vdim == E).
+  /// Key/value heads (num_kv_heads, or num_heads when unset).
+  int64_t num_kv_heads() const;
+  /// True when Q, K and V share the packed in_proj_weight (kdim == vdim == E
+  /// and num_kv_heads == num_heads).
   bool packed_in_proj() const;
 
   /// The options this module was constructed with.
@@ -142,11 +155,11 @@ class MultiHeadAttentionImpl
 
   torch::Tensor in_proj_weight;          ///< (3E, E) when packed_in_proj()
   torch::Tensor q_proj_weight;           ///< (E, E) when !packed_in_proj()
-  torch::Tensor k_proj_weight;           ///< (E, kdim) when !packed_in_proj()
-  torch::Tensor v_proj_weight;           ///< (E, vdim) when !packed_in_proj()
-  torch::Tensor in_proj_bias;            ///< (3E) when bias
-  torch::Tensor bias_k;                  ///< (1, 1, E) when add_bias_kv
-  torch::Tensor bias_v;                  ///< (1, 1, E) when add_bias_kv
+  torch::Tensor k_proj_weight;           ///< (Ekv, kdim) when !packed_in_proj()
+  torch::Tensor v_proj_weight;           ///< (Ekv, vdim) when !packed_in_proj()
+  torch::Tensor in_proj_bias;            ///< (E + 2 Ekv) when bias
+  torch::Tensor bias_k;                  ///< (1, 1, Ekv) when add_bias_kv
+  torch::Tensor bias_v;                  ///< (1, 1, Ekv) when add_bias_kv
   torch::nn::Linear out_proj = nullptr;  ///< E -> E
 };
 
