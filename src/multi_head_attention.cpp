@@ -95,6 +95,21 @@ void MultiHeadAttentionImpl::reset() {
               options.dropout());
   head_dim = E / H;
   const int64_t Ekv = Hkv * head_dim;
+  if (options.rotary()) {
+    TORCH_CHECK(head_dim % 2 == 0,
+                "MultiHeadAttention: rotary needs an even head_dim, but got "
+                "embed_dim / num_heads = ",
+                head_dim);
+    TORCH_CHECK(!options.add_bias_kv() && !options.add_zero_attn(),
+                "MultiHeadAttention: rotary cannot be combined with "
+                "add_bias_kv or add_zero_attn (their extra key position has "
+                "no position)");
+    TORCH_CHECK(
+        std::isfinite(options.rotary_theta()) && options.rotary_theta() > 0.0,
+        "MultiHeadAttention: rotary_theta must be finite and > 0, but "
+        "got ",
+        options.rotary_theta());
+  }
 
   // Registration order as PyTorch's, so named_parameters() lists the same
   // keys in the same order. Unused parameters are not registered.
@@ -170,6 +185,15 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   }
   if (options.num_kv_heads().has_value()) {
     stream << ", num_kv_heads=" << *options.num_kv_heads();
+  }
+  if (options.rotary()) {
+    stream << ", rotary=true";
+    if (options.rotary_theta() != 10000.0) {
+      stream << ", rotary_theta=" << options.rotary_theta();
+    }
+    if (options.rotary_pairing() == RotaryPairing::kInterleaved) {
+      stream << ", rotary_pairing=interleaved";
+    }
   }
   if (!options.batch_first()) {
     stream << ", batch_first=false";
@@ -390,6 +414,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   auto q = split_heads(p.q, H);    // (N, H, L, D)
   auto k = split_heads(p.k, Hkv);  // (N, Hkv, S', D)
   auto v = split_heads(p.v, Hkv);  // (N, Hkv, S', D)
+  if (options.rotary()) {          // query row i at position i, key row j at j
+    q = rotary_embedding(q, 0, options.rotary_theta(),
+                         options.rotary_pairing());
+    k = rotary_embedding(k, 0, options.rotary_theta(),
+                         options.rotary_pairing());
+  }
   if (options.add_zero_attn()) {
     k = torch::cat({k, torch::zeros({N, Hkv, 1, head_dim}, k.options())},
                    2);  // (N, Hkv, S'+1, D)

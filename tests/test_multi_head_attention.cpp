@@ -716,7 +716,14 @@ GqaReference gqa_reference(const mha::MultiHeadAttentionImpl& m,
     return t.view({N, t.size(1), h, D}).transpose(1, 2);  // (N, h, T, D)
   };
   auto qh = heads(q, H);
-  auto kh = heads(k, Hkv).repeat_interleave(H / Hkv, /*dim=*/1);
+  auto kh_kv = heads(k, Hkv);
+  if (m.options.rotary()) {  // rotary_embedding: checked by hand elsewhere
+    qh = mha::rotary_embedding(qh, 0, m.options.rotary_theta(),
+                               m.options.rotary_pairing());
+    kh_kv = mha::rotary_embedding(kh_kv, 0, m.options.rotary_theta(),
+                                  m.options.rotary_pairing());
+  }
+  auto kh = kh_kv.repeat_interleave(H / Hkv, /*dim=*/1);
   auto vh = heads(v, Hkv).repeat_interleave(H / Hkv, /*dim=*/1);
   if (m.options.add_zero_attn()) {
     kh = torch::cat({kh, torch::zeros({N, H, 1, D}, kh.options())}, 2);
@@ -742,11 +749,12 @@ GqaReference gqa_reference(const mha::MultiHeadAttentionImpl& m,
 
 }  // namespace
 
-TEST_F(MultiHeadAttentionTest, GroupedQueryAttentionEqualsRepeatedKvHeads) {
+TEST_F(MultiHeadAttentionTest, GroupedQueryAndRotaryEqualReferenceByHand) {
   const int64_t E = 16, H = 4, N = 2;
   struct Case {
     int64_t num_kv_heads, L, S;
-    bool cross, causal, padding, bias_kv, zero_attn;
+    bool cross, causal, padding, bias_kv, zero_attn, rotary = false;
+    mha::RotaryPairing pairing = mha::RotaryPairing::kHalf;
   };
   const Case cases[] = {
       {2, 7, 7, false, false, false, false, false},
@@ -754,6 +762,11 @@ TEST_F(MultiHeadAttentionTest, GroupedQueryAttentionEqualsRepeatedKvHeads) {
       {2, 5, 9, true, false, true, false, false},  // cross, L != S
       {2, 9, 6, true, true, false, true, true},    // appended positions
       {4, 6, 6, false, true, true, false, false},  // = num_heads: packed
+      // rotary position embedding, with and without grouped heads
+      {4, 8, 8, false, true, true, false, false, true},
+      {2, 8, 8, false, true, false, false, false, true,
+       mha::RotaryPairing::kInterleaved},
+      {1, 5, 9, true, false, true, false, false, true},
   };
   for (int threads : {1, 2}) {
     const IntraOpThreads set_threads(threads);
@@ -763,12 +776,16 @@ TEST_F(MultiHeadAttentionTest, GroupedQueryAttentionEqualsRepeatedKvHeads) {
             "num_kv_heads=" + std::to_string(c.num_kv_heads) +
             ", L=" + std::to_string(c.L) + ", S=" + std::to_string(c.S) +
             (c.causal ? ", causal" : "") + (c.padding ? ", padding" : "") +
-            (c.bias_kv ? ", bias_kv" : "") + ", threads " +
-            std::to_string(threads) + (average ? ", averaged" : ", per head"));
+            (c.bias_kv ? ", bias_kv" : "") + (c.rotary ? ", rotary" : "") +
+            ", threads " + std::to_string(threads) +
+            (average ? ", averaged" : ", per head"));
         mha::MultiHeadAttention m(mha::MultiHeadAttentionOptions(E, H)
                                       .num_kv_heads(c.num_kv_heads)
                                       .add_bias_kv(c.bias_kv)
-                                      .add_zero_attn(c.zero_attn));
+                                      .add_zero_attn(c.zero_attn)
+                                      .rotary(c.rotary)
+                                      .rotary_pairing(c.pairing)
+                                      .rotary_theta(c.rotary ? 500.0 : 1e4));
         {
           torch::NoGradGuard no_grad;
           m->in_proj_bias.uniform_(-0.5, 0.5);
@@ -847,6 +864,30 @@ TEST_F(MultiHeadAttentionTest, GroupedQueryAttentionParametersAndErrors) {
       mha::MultiHeadAttention(
           mha::MultiHeadAttentionOptions(16, 4).num_kv_heads(0)),
       "num_kv_heads must be > 0 and divide num_heads (4), but got 0");
+  EXPECT_THROW_MSG(mha::MultiHeadAttention(
+                       mha::MultiHeadAttentionOptions(12, 4).rotary(true)),
+                   "rotary needs an even head_dim, but got embed_dim / "
+                   "num_heads = 3");
+  EXPECT_THROW_MSG(
+      mha::MultiHeadAttention(
+          mha::MultiHeadAttentionOptions(16, 4).rotary(true).add_bias_kv(true)),
+      "rotary cannot be combined with add_bias_kv or "
+      "add_zero_attn");
+  EXPECT_THROW_MSG(
+      mha::MultiHeadAttention(
+          mha::MultiHeadAttentionOptions(16, 4).rotary(true).rotary_theta(
+              -1.0)),
+      "rotary_theta must be finite and > 0, but got -1");
+  {
+    std::ostringstream rotary_printed;
+    rotary_printed << *mha::MultiHeadAttention(
+        mha::MultiHeadAttentionOptions(16, 4).rotary(true).rotary_pairing(
+            mha::RotaryPairing::kInterleaved));
+    EXPECT_NE(
+        rotary_printed.str().find("rotary=true, rotary_pairing=interleaved"),
+        std::string::npos)
+        << rotary_printed.str();
+  }
   // Features are checked against kdim as before.
   EXPECT_THROW_MSG(m(torch::randn({2, 5, 16}), torch::randn({2, 5, 8}),
                      torch::randn({2, 5, 16})),

@@ -6,6 +6,7 @@
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"
 #include "mha/parity.h"
+#include "mha/positions.h"
 #include "mha/plot.h"
 #include "mha/state_dict.h"
 #include "mha/train.h"

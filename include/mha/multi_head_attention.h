@@ -15,6 +15,8 @@
 
 #include <tuple>
 
+#include "mha/positions.h"
+
 namespace mha {
 
 /// Options for MultiHeadAttention; names and defaults as PyTorch's, except
@@ -54,6 +56,18 @@ struct MultiHeadAttentionOptions {
   /// Not in torch::nn: with fewer key/value heads the module has no packed
   /// in_proj_weight (see the parameters below).
   TORCH_ARG(c10::optional<int64_t>, num_kv_heads) = c10::nullopt;
+  /// Rotary position embedding (mha::rotary_embedding, RoFormer) of the
+  /// projected query and key heads, query row i at position i and key row j
+  /// at position j. Needs an even head_dim; not with add_bias_kv or
+  /// add_zero_attn (their extra key position has no position). Default
+  /// false. Not in torch::nn.
+  TORCH_ARG(bool, rotary) = false;
+  /// Base of the rotary frequencies (rotary_embedding's theta). Default
+  /// 10000.
+  TORCH_ARG(double, rotary_theta) = 10000.0;
+  /// Which features the rotary embedding pairs. Default kHalf (GPT-NeoX,
+  /// Llama in Hugging Face transformers).
+  TORCH_ARG(RotaryPairing, rotary_pairing) = RotaryPairing::kHalf;
 };
 
 /// Multi-head attention: out_proj(concat_h softmax(Q_h K_hᵀ / sqrt(D) + mask)
