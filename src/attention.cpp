@@ -186,9 +186,8 @@ struct BlockedForward {
 /// of an (N, L, H, Dv) buffer, so merging heads is free), weights as
 /// spec.weights, and every block's weights for backward when
 /// spec.keep_weights (columns a causal block skips are left unset). A work
-/// item is one block of query rows of one (n, h), or
-/// of one n and all heads when the heads' weights are averaged (they add
-/// into the same rows).
+/// item is one block of query rows of one (n, h), or of one n and all heads
+/// when the heads' weights are averaged (they add into the same rows).
 BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,
                                const BlockedSpec& spec) {
