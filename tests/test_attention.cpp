@@ -1076,6 +1076,33 @@ TEST_F(ScaledDotProductAttentionTest, GroupedKeyValueHeadsOnEveryPath) {
                      path + ", Hkv=" + std::to_string(Hkv) + ": " + names[i]);
       }
     }
+    // Without weights: on LibTorch >= 2.5 the fused kernel (heads repeated),
+    // else the explicit path, when the mask needs a gradient.
+    auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(),
+         vg = v.clone().requires_grad_();
+    auto r =
+        mha::detail::attention_core(qg, kg, vg, mask.clone().requires_grad_(),
+                                    true, 0.0, 0.5, WeightsMode::kNone);
+    EXPECT_FALSE(r.weights.defined());
+    (r.output * g).sum().backward();
+    const std::vector<torch::Tensor> no_weights{r.output, qg.grad(), kg.grad(),
+                                                vg.grad()};
+    auto expected_no_weights = run([&](const torch::Tensor& qe,
+                                       const torch::Tensor& ke,
+                                       const torch::Tensor& ve) {
+      auto e = mha::detail::explicit_attention(
+          qe, ke.repeat_interleave(H / Hkv, 1),
+          ve.repeat_interleave(H / Hkv, 1), mask, true, 0.0, 0.5,
+          WeightsMode::kPerHead);
+      e.weights = torch::zeros({1}, e.output.options());  // loss: output only
+      return e;
+    });
+    const int index[] = {0, 2, 3, 4};  // output, query/key/value grads
+    for (int i = 0; i < 4; ++i) {
+      expect_close(no_weights[i], expected_no_weights[index[i]], 1e-12, 1e-12,
+                   "without weights, Hkv=" + std::to_string(Hkv) + ": " +
+                       names[index[i]]);
+    }
   }
 }
 
