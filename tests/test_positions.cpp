@@ -108,14 +108,13 @@ TEST_F(RotaryEmbeddingTest, PairingsAreAFeaturePermutationApart) {
 }
 
 TEST_F(RotaryEmbeddingTest, GradientIsTheInverseRotation) {
-  // y = R x with R orthogonal, so dL/dx = Rᵀ dL/dy: rotating by -angle is
-  // the same as rotating a position offset p back; check against autograd
-  // of the hand rotation instead of trusting that.
+  // y = R x with R a rotation per feature pair, so dL/dx = Rᵀ dL/dy, the
+  // rotation by the opposite angle.
   auto x = torch::randn({2, 4, 6}, torch::kFloat64).requires_grad_();
   auto g = torch::randn({2, 4, 6}, torch::kFloat64);
   (mha::rotary_embedding(x, 3) * g).sum().backward();
-  // Rᵀ g: the transpose of a 2x2 rotation by a is the rotation by -a, which
-  // the hand loop gives for the mirrored pair (b, a) -> swap, rotate, swap.
+  // Rᵀ g by the hand loop: rotating the swapped pair (b, a) by +angle and
+  // swapping back rotates (a, b) by -angle.
   auto swap = torch::cat({torch::arange(3, 6), torch::arange(0, 3)});
   auto expected = rotate_by_hand(g.index_select(-1, swap), 3, 10000.0,
                                  mha::RotaryPairing::kHalf)
