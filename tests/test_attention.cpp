@@ -1115,7 +1115,9 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathUnderInferenceModeOnThreads) {
        v = torch::randn({2, 3, 50, 8});
   auto plain = mha::detail::explicit_attention(q, k, v, torch::Tensor(), true,
                                                0.0, 0.5, WeightsMode::kAverage);
-  c10::InferenceMode inference;
+  // On the heap: GCC 16 reports a false -Wmaybe-uninitialized inside
+  // LibTorch 2.14's InferenceMode when it is a local.
+  const auto inference = std::make_unique<c10::InferenceMode>();
   auto blocked = mha::detail::blocked_attention(q, k, v, torch::Tensor(), true,
                                                 0.5, WeightsMode::kAverage, 16);
   EXPECT_TRUE(blocked.output.is_inference());
