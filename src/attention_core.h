@@ -62,7 +62,7 @@ bool blocked_attention_applies(const torch::Tensor& query,
 /// Whether blocked attention keeps each block's weights for backward.
 enum class KeptWeights {
   kAuto,    ///< when a gradient is needed and N·H·L·S <= 2^20
-  kAlways,  ///< (when autograd records the call)
+  kAlways,  ///< always, N·H·L·S scores of memory (for tests)
   kNever,   ///< backward recomputes them block by block
 };
 
