@@ -545,7 +545,9 @@ AttentionResult attention_core(const torch::Tensor& query,
   const bool grouped = query.dim() == 4 && key_in.size(1) != query.size(1);
   TORCH_INTERNAL_ASSERT(!grouped || query.size(1) % key_in.size(1) == 0,
                         "attention_core: key/value heads must divide query's");
-  if (grouped && blocked_attention_applies(query, key_in, mask, dropout_p)) {
+  const bool blocked =
+      blocked_attention_applies(query, key_in, mask, dropout_p);
+  if (grouped && blocked) {
     // The blocked path reads key/value head h / group for query head h.
     return blocked_attention(query, key_in, value_in, mask, is_causal, scale,
                              weights);
@@ -570,7 +572,7 @@ AttentionResult attention_core(const torch::Tensor& query,
     }
   }
 #endif
-  if (blocked_attention_applies(query, key, mask, dropout_p)) {
+  if (blocked) {
     return blocked_attention(query, key, value, mask, is_causal, scale,
                              weights);
   }

@@ -42,8 +42,9 @@ torch::Tensor merge_heads(const torch::Tensor& x) {
   return x.transpose(1, 2).reshape({N, L, -1});  // (N, L, E)
 }
 
-torch::Tensor slice_rows(const torch::Tensor& t, int64_t index, int64_t rows) {
-  return t.defined() ? t.narrow(0, index * rows, rows) : t;
+/// Rows [start, start + count) of t, or t itself when undefined (no bias).
+torch::Tensor rows_of(const torch::Tensor& t, int64_t start, int64_t count) {
+  return t.defined() ? t.narrow(0, start, count) : t;
 }
 
 }  // namespace
@@ -343,12 +344,9 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
   if (!m.packed_in_proj()) {
     // in_proj_bias rows: query [0, E), key [E, E + Ekv), value [E + Ekv, ...)
     const int64_t Ekv = m.num_kv_heads() * m.head_dim;
-    auto rows = [&](int64_t start, int64_t count) {
-      return b.defined() ? b.narrow(0, start, count) : b;
-    };
-    return {detail::project(query, m.q_proj_weight, rows(0, E)),
-            detail::project(key, m.k_proj_weight, rows(E, Ekv)),
-            detail::project(value, m.v_proj_weight, rows(E + Ekv, Ekv))};
+    return {detail::project(query, m.q_proj_weight, rows_of(b, 0, E)),
+            detail::project(key, m.k_proj_weight, rows_of(b, E, Ekv)),
+            detail::project(value, m.v_proj_weight, rows_of(b, E + Ekv, Ekv))};
   }
   const auto& w = m.in_proj_weight;
   if (self_attention) {
@@ -356,17 +354,16 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
     auto parts = qkv.chunk(3, /*dim=*/-1);
     return {parts[0], parts[1], parts[2]};  // (N, L, E) each
   }
-  auto q = detail::project(query, slice_rows(w, 0, E),
-                           slice_rows(b, 0, E));  // (N, L, E)
+  auto q =
+      detail::project(query, rows_of(w, 0, E), rows_of(b, 0, E));  // (N, L, E)
   if (key_is_value) {
-    auto kv =
-        detail::project(key, w.narrow(0, E, 2 * E),
-                        b.defined() ? b.narrow(0, E, 2 * E) : b);  // (N, S, 2E)
+    auto kv = detail::project(key, rows_of(w, E, 2 * E),
+                              rows_of(b, E, 2 * E));  // (N, S, 2E)
     auto parts = kv.chunk(2, /*dim=*/-1);
     return {q, parts[0], parts[1]};
   }
-  return {q, detail::project(key, slice_rows(w, 1, E), slice_rows(b, 1, E)),
-          detail::project(value, slice_rows(w, 2, E), slice_rows(b, 2, E))};
+  return {q, detail::project(key, rows_of(w, E, E), rows_of(b, E, E)),
+          detail::project(value, rows_of(w, 2 * E, E), rows_of(b, 2 * E, E))};
 }
 
 }  // namespace
