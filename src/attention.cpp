@@ -46,12 +46,15 @@ torch::Tensor repeat_kv(const torch::Tensor& t, int64_t heads) {
       .reshape({N, heads, S, D});
 }
 
-/// `mask` (additive or undefined) with the top-left causal block merged in.
-torch::Tensor with_causal(const torch::Tensor& mask, const torch::Tensor& query,
-                          const torch::Tensor& key) {
-  return merge_masks(
-      {mask, causal_mask(query.size(-2), key.size(-2), query.options())},
-      query.scalar_type());
+/// `mask` (additive or undefined) with the limits of `positions` (causal,
+/// window) merged in as a dense (L, S) mask.
+torch::Tensor with_positions(const torch::Tensor& mask,
+                             const KeyPositions& positions,
+                             const torch::Tensor& query,
+                             const torch::Tensor& key) {
+  return merge_masks({mask, key_positions_mask(positions, query.size(-2),
+                                               key.size(-2), query.options())},
+                     query.scalar_type());
 }
 
 }  // namespace
@@ -59,14 +62,21 @@ torch::Tensor with_causal(const torch::Tensor& mask, const torch::Tensor& query,
 AttentionResult explicit_attention(const torch::Tensor& query,
                                    const torch::Tensor& key,
                                    const torch::Tensor& value,
-                                   const torch::Tensor& mask_in, bool is_causal,
+                                   const torch::Tensor& mask_in,
+                                   const KeyPositions& positions,
                                    double dropout_p, double scale,
                                    WeightsMode weights_mode) {
   const auto dtype = query.scalar_type();
   // broadcastable to (..., L, S)
-  auto mask = is_causal ? with_causal(mask_in, query, key) : mask_in;
+  auto mask = with_positions(mask_in, positions, query, key);
   // (..., L, E)·(..., E, S) → (..., L, S); scaling the smaller operand.
   auto scores = torch::matmul(query * scale, key.transpose(-2, -1));
+  if (positions.relative_bias.defined()) {
+    // (Hb, L, S): the heads' dim of 4-D scores, else Hb = 1 broadcasts.
+    auto bias = dense_relative_bias(positions.relative_bias, query.size(-2),
+                                    key.size(-2));
+    scores = scores + (query.dim() == 4 ? bias : bias.squeeze(0));
+  }
   torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
   if (mask.defined()) {
     auto blocked = mask.eq(kNegInf);  // broadcastable to (..., L, S)
@@ -106,10 +116,9 @@ namespace {
 
 /// What every block of one call shares.
 struct BlockedSpec {
-  torch::Tensor mask;     // additive, 4-D broadcastable to (N, H, L, S), or {}
-  torch::Tensor blocked;  // mask == -inf, same shape, or {}
-  torch::Tensor causal;   // bool (B, B), triu(1), when is_causal
-  bool is_causal = false;
+  torch::Tensor mask;      // additive, 4-D broadcastable to (N, H, L, S), or {}
+  torch::Tensor blocked;   // mask == -inf, same shape, or {}
+  KeyPositions positions;  // its relative_bias travels as an input instead
   double scale = 1.0;
   WeightsMode weights = WeightsMode::kNone;
   int64_t block_rows = 0;
@@ -122,50 +131,90 @@ torch::Tensor select_nh(const torch::Tensor& t, int64_t n, int64_t h) {
   return t.select(0, t.size(0) == 1 ? 0 : n).select(0, t.size(1) == 1 ? 0 : h);
 }
 
-/// Rows [row0, row0 + rows) and columns [0, cols) of a mask slice that may
-/// broadcast in either dim.
+/// Rows [row0, row0 + rows) and columns [col0, col0 + cols) of a mask slice
+/// that may broadcast in either dim.
 torch::Tensor mask_block(const torch::Tensor& m, int64_t row0, int64_t rows,
-                         int64_t cols) {
+                         int64_t col0, int64_t cols) {
   auto r = m.size(0) == 1 ? m : m.narrow(0, row0, rows);
-  return r.size(1) == 1 ? r : r.narrow(1, 0, cols);
+  return r.size(1) == 1 ? r : r.narrow(1, col0, cols);
 }
 
-/// Keys visible to query rows [row0, row0 + rows): all S, or up to the last
-/// row's diagonal when causal (top-left).
-int64_t visible_keys(const BlockedSpec& spec, int64_t row0, int64_t rows,
-                     int64_t S) {
-  return spec.is_causal ? std::min(row0 + rows, S) : S;
-}
+/// One block: query rows [row0, row0 + rows) and the key columns
+/// [col0, col0 + cols) any of them can see (cols may be 0).
+struct Block {
+  int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
+  int64_t L = 0;  // query rows in all: relative_bias[h][j - i + L - 1]
 
-/// Writes into `p` (rows, cols) the attention weights of query rows
-/// [row0, row0 + rows) of one head over keys [0, cols): scaled scores, mask,
-/// causal block, softmax, all in place; fully masked rows become 0.
+  Block(const KeyPositions& positions, int64_t row0_, int64_t rows_, int64_t L_,
+        int64_t S)
+      : row0(row0_), rows(rows_), L(L_) {
+    col0 = std::clamp<int64_t>(positions.begin(row0), 0, S);
+    const auto end = std::clamp<int64_t>(positions.end(row0 + rows - 1), 0, S);
+    cols = std::max<int64_t>(0, end - col0);
+  }
+  /// The visible columns of each row, relative to col0.
+  RowLimits limits(const KeyPositions& positions) const {
+    RowLimits l;
+    l.begin0 = positions.begin(row0) - col0;
+    l.end0 = positions.end(row0) - col0;
+    l.begin_slides = positions.window > 0;
+    l.end_slides = positions.causal || positions.window > 0;
+    return l;
+  }
+  /// Index into relative_bias[h] of row 0's column 0 (row r, column c:
+  /// bias_base() - r + c).
+  int64_t bias_base() const { return col0 - row0 + L - 1; }
+  /// (rows, cols) int64: bias_base() - r + c.
+  torch::Tensor bias_index() const {
+    auto r = at::arange(rows, at::kLong).unsqueeze(1);
+    auto c = at::arange(cols, at::kLong).unsqueeze(0);
+    return c - r + bias_base();
+  }
+};
+
+/// Writes into `p` (rows, cols) the attention weights of one block of one
+/// head (bias_h: that head's relative_bias row, or undefined): scaled
+/// scores, mask, position bias and limits, softmax, all in place; fully
+/// masked rows become 0.
 void block_weights(torch::Tensor& p, const torch::Tensor& q,
                    const torch::Tensor& k, const torch::Tensor& mask,
-                   const torch::Tensor& blocked, const BlockedSpec& spec,
-                   int64_t row0, int64_t rows, int64_t cols) {
+                   const torch::Tensor& blocked, const torch::Tensor& bias_h,
+                   const BlockedSpec& spec, const Block& block) {
   // p = scale · q[rows] · k[cols]ᵀ (beta = 0: p's old contents are ignored)
-  at::addmm_out(p, p, q.narrow(0, row0, rows), k.narrow(0, 0, cols).t(),
+  at::addmm_out(p, p, q.narrow(0, block.row0, block.rows),
+                k.narrow(0, block.col0, block.cols).t(),
                 /*beta=*/0, /*alpha=*/spec.scale);
   if (mask.defined()) {
-    p.add_(mask_block(mask, row0, rows, cols));
-    p.masked_fill_(mask_block(blocked, row0, rows, cols), kNegInf);
+    p.add_(mask_block(mask, block.row0, block.rows, block.col0, block.cols));
+    p.masked_fill_(
+        mask_block(blocked, block.row0, block.rows, block.col0, block.cols),
+        kNegInf);
   }
+  const auto limits = block.limits(spec.positions);
   if (p.scalar_type() == torch::kFloat && fused_softmax_available()) {
-    // Causal limit, softmax and empty rows in one kernel (fused_softmax.h).
-    fused_softmax_rows(p, spec.is_causal ? row0 : -1);
+    // Limits, bias, softmax and empty rows in one kernel (fused_softmax.h).
+    fused_softmax_rows(p, limits,
+                       bias_h.defined()
+                           ? bias_h.data_ptr<float>() + block.bias_base()
+                           : nullptr);
     return;
   }
-  if (spec.is_causal && cols > row0 + 1) {
-    // Row r (query row0 + r) blocks keys j > row0 + r: in columns
-    // [row0, cols), the strict upper triangle.
-    const auto width = cols - row0;
-    p.narrow(1, row0, width)
-        .masked_fill_(spec.causal.narrow(0, 0, rows).narrow(1, 0, width),
-                      kNegInf);
+  if (bias_h.defined()) {
+    p.add_(bias_h.take(block.bias_index()));
+  }
+  const bool limited = limits.begin(block.rows - 1, block.cols) > 0 ||
+                       limits.end(0, block.cols) < block.cols;
+  if (limited) {
+    auto r = at::arange(block.rows, at::kLong).unsqueeze(1);  // (rows, 1)
+    auto c = at::arange(block.cols, at::kLong).unsqueeze(0);  // (1, cols)
+    auto begin = limits.begin_slides ? r + limits.begin0
+                                     : at::full_like(r, limits.begin0);
+    auto end =
+        limits.end_slides ? r + limits.end0 : at::full_like(r, limits.end0);
+    p.masked_fill_(c.lt(begin).logical_or_(c.ge(end)), kNegInf);
   }
   at::_softmax_out(p, p, /*dim=*/1, /*half_to_float=*/false);
-  if (mask.defined()) {
+  if (mask.defined() || limited) {
     // A fully masked row is softmax(-inf, ..., -inf) = NaN (and only such a
     // row, for finite inputs): it attends to nothing.
     auto empty_rows = p.select(1, 0).isnan();  // (rows)
@@ -182,14 +231,25 @@ struct BlockedForward {
   torch::Tensor kept;     // (N, H, L, S) when spec.keep_weights, else {}
 };
 
+/// Row h (or 0 when shared by every head) of relative_bias (Hb, L + S - 1),
+/// or undefined for the empty placeholder of no bias.
+torch::Tensor bias_row(const torch::Tensor& relative_bias, int64_t h) {
+  if (relative_bias.numel() == 0) {
+    return torch::Tensor();
+  }
+  return relative_bias[relative_bias.size(0) == 1 ? 0 : h];
+}
+
 /// Forward of blocked attention on 4-D inputs: output (N, H, L, Dv) (a view
 /// of an (N, L, H, Dv) buffer, so merging heads is free), weights as
 /// spec.weights, and every block's weights for backward when
-/// spec.keep_weights (columns a causal block skips are left unset). A work
+/// spec.keep_weights (columns a block does not see are left unset). A work
 /// item is one block of query rows of one (n, h), or of one n and all heads
 /// when the heads' weights are averaged (they add into the same rows).
+/// relative_bias: (Hb, L + S - 1) contiguous, or empty (0) for none.
 BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,
+                               const torch::Tensor& relative_bias,
                                const BlockedSpec& spec) {
   const auto N = q.size(0), H = q.size(1), L = q.size(2);
   const auto group = H / k.size(1);  // query heads per key/value head
@@ -213,14 +273,19 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
       N * items_per_n, B * S, q.options(),
       [&](int64_t item, torch::Tensor& scratch) {
         const auto n = item / items_per_n;
-        const auto block = item % blocks;
         const auto h_begin = heads_per_item ? 0 : item % items_per_n / blocks;
         const auto h_end = heads_per_item ? H : h_begin + 1;
-        const auto row0 = block * B;
-        const auto rows = std::min(B, L - row0);
-        const auto cols = visible_keys(spec, row0, rows, S);
+        const auto row0 = item % blocks * B;
+        const Block block(spec.positions, row0, std::min(B, L - row0), L, S);
+        const auto rows = block.rows, col0 = block.col0, cols = block.cols;
         auto p = scratch.narrow(0, 0, rows * cols).view({rows, cols});
         for (auto h = h_begin; h < h_end; ++h) {
+          // (rows, Dv), strided rows of the (N, L, H, Dv) buffer
+          auto out_rows = out.select(0, n).select(1, h).narrow(0, row0, rows);
+          if (cols == 0) {  // no row of the block sees any key
+            out_rows.zero_();
+            continue;
+          }
           // (T, D); key/value head h / group
           const auto q_nh = q[n][h], k_nh = k[n][h / group],
                      v_nh = v[n][h / group];
@@ -229,19 +294,18 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
           const auto blocked = spec.mask.defined()
                                    ? select_nh(spec.blocked, n, h)
                                    : torch::Tensor();
-          block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows, cols);
-          // (rows, Dv), strided rows of the (N, L, H, Dv) buffer
-          auto out_rows = out.select(0, n).select(1, h).narrow(0, row0, rows);
-          at::mm_out(out_rows, p, v_nh.narrow(0, 0, cols));
+          block_weights(p, q_nh, k_nh, mask, blocked,
+                        bias_row(relative_bias, h), spec, block);
+          at::mm_out(out_rows, p, v_nh.narrow(0, col0, cols));
           if (spec.keep_weights) {
-            kept[n][h].narrow(0, row0, rows).narrow(1, 0, cols).copy_(p);
+            kept[n][h].narrow(0, row0, rows).narrow(1, col0, cols).copy_(p);
           }
           if (spec.weights == WeightsMode::kPerHead) {
-            weights[n][h].narrow(0, row0, rows).narrow(1, 0, cols).copy_(p);
+            weights[n][h].narrow(0, row0, rows).narrow(1, col0, cols).copy_(p);
           } else if (spec.weights == WeightsMode::kAverage) {
             weights[n]
                 .narrow(0, row0, rows)
-                .narrow(1, 0, cols)
+                .narrow(1, col0, cols)
                 .add_(p, 1.0 / static_cast<double>(H));
           }
         }
@@ -249,17 +313,25 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
   return {out.permute({0, 2, 1, 3}), weights, kept};
 }
 
-/// Backward of blocked_forward: gradients of q, k, v from the gradient of
-/// the output (N, H, L, Dv) and, if defined, of the weights. Each block's
-/// weights are taken from `kept` (blocked_forward's, when defined) or
-/// recomputed; then dV += Pᵀ·dO, dP = dO·Vᵀ (+ dW),
-/// dS = softmax'(P, dP), dQ = scale·dS·K, dK += scale·dSᵀ·Q. A work item is
-/// one n and key/value head: the blocks of its query heads add into the same
-/// dK and dV.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
+/// Gradients of blocked_backward.
+struct BlockedGradients {
+  torch::Tensor dq, dk, dv;
+  torch::Tensor relative_bias;  // like relative_bias when it needs one
+};
+
+/// Backward of blocked_forward: gradients of q, k, v (and relative_bias when
+/// it requires grad) from the gradient of the output (N, H, L, Dv) and, if
+/// defined, of the weights. Each block's weights are taken from `kept`
+/// (blocked_forward's, when defined) or recomputed; then dV += Pᵀ·dO,
+/// dP = dO·Vᵀ (+ dW), dS = softmax'(P, dP), dQ = scale·dS·K,
+/// dK += scale·dSᵀ·Q, and dS summed along its diagonals into the bias. A
+/// work item is one n and key/value head: the blocks of its query heads add
+/// into the same dK and dV.
+BlockedGradients blocked_backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-    const BlockedSpec& spec, const torch::Tensor& kept,
-    const torch::Tensor& grad_out, const torch::Tensor& grad_weights) {
+    const torch::Tensor& relative_bias, const BlockedSpec& spec,
+    const torch::Tensor& kept, const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights) {
   const auto N = q.size(0), H = q.size(1), L = q.size(2);
   const auto S = k.size(2), Hkv = k.size(1);
   const auto group = H / Hkv;  // query heads per key/value head
@@ -267,6 +339,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::zeros(k.sizes(), k.options());
   auto dv = at::zeros(v.sizes(), v.options());
+  // One row per (n, h), so that work items write disjoint rows; summed
+  // over n (and heads, for a shared bias) at the end.
+  torch::Tensor d_bias;
+  if (relative_bias.numel() > 0 && relative_bias.requires_grad()) {
+    d_bias = at::zeros({N, H, relative_bias.size(1)}, q.options());
+  }
   for_each_item(
       N * Hkv, 3 * B * S, q.options(),
       [&](int64_t item, torch::Tensor& scratch) {
@@ -280,51 +358,66 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> blocked_backward(
           const auto blocked = spec.mask.defined()
                                    ? select_nh(spec.blocked, n, h)
                                    : torch::Tensor();
+          const auto bias_h = bias_row(relative_bias, h);
           const auto go_nh = grad_out[n][h];  // (L, Dv)
           auto dq_nh = dq[n][h];
           for (int64_t row0 = 0; row0 < L; row0 += B) {
-            const auto rows = std::min(B, L - row0);
-            const auto cols = visible_keys(spec, row0, rows, S);
+            const Block block(spec.positions, row0, std::min(B, L - row0), L,
+                              S);
+            const auto rows = block.rows, col0 = block.col0, cols = block.cols;
+            auto dq_rows = dq_nh.narrow(0, row0, rows);
+            if (cols == 0) {  // the rows see no key
+              dq_rows.zero_();
+              continue;
+            }
             auto buffer = [&](int64_t i) {
               return scratch.narrow(0, i * B * S, rows * cols)
                   .view({rows, cols});
             };
             auto p = buffer(0), dp = buffer(1), ds = buffer(2);
             if (kept.defined()) {
-              // Copied: a causal block's rows are strided in `kept`, and ATen's
+              // Copied: a block's rows are strided in `kept`, and ATen's
               // softmax backward below takes contiguous weights.
-              p.copy_(kept[n][h].narrow(0, row0, rows).narrow(1, 0, cols));
+              p.copy_(kept[n][h].narrow(0, row0, rows).narrow(1, col0, cols));
             } else {
-              block_weights(p, q_nh, k_nh, mask, blocked, spec, row0, rows,
-                            cols);
+              block_weights(p, q_nh, k_nh, mask, blocked, bias_h, spec, block);
             }
             const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
-            auto dv_cols = dv_nh.narrow(0, 0, cols);
+            auto dv_cols = dv_nh.narrow(0, col0, cols);
             dv_cols.addmm_(p.t(), go);
-            at::mm_out(dp, go, v_nh.narrow(0, 0, cols).t());
+            at::mm_out(dp, go, v_nh.narrow(0, col0, cols).t());
             if (grad_weights.defined()) {
               if (spec.weights == WeightsMode::kPerHead) {
                 dp.add_(grad_weights[n][h]
                             .narrow(0, row0, rows)
-                            .narrow(1, 0, cols));
+                            .narrow(1, col0, cols));
               } else {
                 dp.add_(
-                    grad_weights[n].narrow(0, row0, rows).narrow(1, 0, cols),
+                    grad_weights[n].narrow(0, row0, rows).narrow(1, col0, cols),
                     1.0 / static_cast<double>(H));
               }
             }
             at::_softmax_backward_data_out(ds, dp, p, /*dim=*/1,
                                            q.scalar_type());
-            auto dq_rows = dq_nh.narrow(0, row0, rows);
-            at::addmm_out(dq_rows, dq_rows, ds, k_nh.narrow(0, 0, cols),
+            if (d_bias.defined()) {
+              d_bias[n][h].index_add_(0, block.bias_index().view(-1),
+                                      ds.view(-1));
+            }
+            at::addmm_out(dq_rows, dq_rows, ds, k_nh.narrow(0, col0, cols),
                           /*beta=*/0, /*alpha=*/spec.scale);
-            auto dk_cols = dk_nh.narrow(0, 0, cols);
+            auto dk_cols = dk_nh.narrow(0, col0, cols);
             dk_cols.addmm_(ds.t(), q_nh.narrow(0, row0, rows), /*beta=*/1,
                            /*alpha=*/spec.scale);
           }
         }
       });
-  return {dq, dk, dv};
+  if (d_bias.defined()) {
+    d_bias = d_bias.sum(0);  // (H, L + S - 1)
+    if (relative_bias.size(0) == 1) {
+      d_bias = d_bias.sum(0, /*keepdim=*/true);  // (1, L + S - 1)
+    }
+  }
+  return {dq, dk, dv, d_bias};
 }
 
 /// Autograd wrapper: saves the inputs, and the weights only when
@@ -334,10 +427,11 @@ class BlockedAttentionFunction
  public:
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
-      const torch::Tensor& k, const torch::Tensor& v, const BlockedSpec& spec) {
-    ctx->save_for_backward({q, k, v});
+      const torch::Tensor& k, const torch::Tensor& v,
+      const torch::Tensor& relative_bias, const BlockedSpec& spec) {
+    ctx->save_for_backward({q, k, v, relative_bias});
     save_spec(ctx, spec);
-    auto result = blocked_forward(q, k, v, spec);
+    auto result = blocked_forward(q, k, v, relative_bias, spec);
     ctx->saved_data["kept"] =
         result.kept.defined() ? c10::IValue(result.kept) : c10::IValue();
     if (!result.weights.defined()) {
@@ -359,11 +453,10 @@ class BlockedAttentionFunction
                         q.options());
     const auto grad_weights = grads.size() > 1 ? grads[1] : torch::Tensor();
     const auto& kept = ctx->saved_data.at("kept");
-    auto [dq, dk, dv] =
-        blocked_backward(q, saved[1], v, load_spec(ctx),
-                         kept.isNone() ? torch::Tensor() : kept.toTensor(),
-                         grad_out, grad_weights);
-    return {dq, dk, dv, torch::Tensor()};
+    auto g = blocked_backward(q, saved[1], v, saved[3], load_spec(ctx),
+                              kept.isNone() ? torch::Tensor() : kept.toTensor(),
+                              grad_out, grad_weights);
+    return {g.dq, g.dk, g.dv, g.relative_bias, torch::Tensor()};
   }
 
  private:
@@ -377,8 +470,9 @@ class BlockedAttentionFunction
     };
     data["mask"] = tensor_or_none(spec.mask);
     data["blocked"] = tensor_or_none(spec.blocked);
-    data["causal"] = tensor_or_none(spec.causal);
-    data["is_causal"] = spec.is_causal;
+    data["causal"] = spec.positions.causal;
+    data["diagonal"] = spec.positions.diagonal;
+    data["window"] = spec.positions.window;
     data["scale"] = spec.scale;
     data["weights"] = static_cast<int64_t>(spec.weights);
     data["block_rows"] = spec.block_rows;
@@ -394,8 +488,9 @@ class BlockedAttentionFunction
     BlockedSpec spec;
     spec.mask = tensor_of("mask");
     spec.blocked = tensor_of("blocked");
-    spec.causal = tensor_of("causal");
-    spec.is_causal = data.at("is_causal").toBool();
+    spec.positions.causal = data.at("causal").toBool();
+    spec.positions.diagonal = data.at("diagonal").toInt();
+    spec.positions.window = data.at("window").toInt();
     spec.scale = data.at("scale").toDouble();
     spec.weights = static_cast<WeightsMode>(data.at("weights").toInt());
     spec.block_rows = data.at("block_rows").toInt();
@@ -408,14 +503,14 @@ class BlockedAttentionFunction
 /// 32..2048 rows at L = S = 1024, 4096, 8192 with head_dim 64, LibTorch
 /// 1.13 + OpenBLAS, 2 threads): about 2^20 scores (4 MiB of float32) per
 /// block, at least 128 rows, because GEMMs of fewer rows ran at half the
-/// speed; at most 256 rows when causal, where smaller blocks skip more of
-/// the masked upper triangle.
-int64_t default_block_rows(int64_t L, int64_t S, bool is_causal) {
+/// speed; at most 256 rows when causal or windowed, where smaller blocks
+/// skip more of the masked keys.
+int64_t default_block_rows(int64_t L, int64_t S, bool limited) {
   constexpr int64_t kBlockElements = int64_t{1} << 20;
   constexpr int64_t kMinRows = 128;
   constexpr int64_t kMaxCausalRows = 256;
   auto rows = std::max(kMinRows, kBlockElements / S);
-  if (is_causal) {
+  if (limited) {
     rows = std::min(rows, kMaxCausalRows);
   }
   return std::min(rows, L);
@@ -476,9 +571,10 @@ bool blocked_attention_applies(const torch::Tensor& query,
 AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& key,
                                   const torch::Tensor& value,
-                                  const torch::Tensor& mask, bool is_causal,
-                                  double scale, WeightsMode weights,
-                                  int64_t block_rows, KeptWeights kept) {
+                                  const torch::Tensor& mask,
+                                  const KeyPositions& positions, double scale,
+                                  WeightsMode weights, int64_t block_rows,
+                                  KeptWeights kept) {
   // Everything as 4-D (N, H, T, features); fewer dims become leading 1s.
   auto to_4d = [](const torch::Tensor& t) {
     auto r = t;
@@ -494,11 +590,18 @@ AttentionResult blocked_attention(const torch::Tensor& query,
   if (mask.defined()) {
     spec.blocked = spec.mask.eq(kNegInf);
   }
-  spec.is_causal = is_causal;
+  spec.positions = positions;
+  spec.positions.relative_bias = torch::Tensor();  // an input, see below
   spec.scale = scale;
   spec.weights = weights;
+  const bool limited = positions.causal || positions.window > 0;
   spec.block_rows = block_rows > 0 ? std::min(block_rows, L)
-                                   : default_block_rows(L, S, is_causal);
+                                   : default_block_rows(L, S, limited);
+  const auto& bias = positions.relative_bias;
+  const bool needs_grad =
+      torch::GradMode::is_enabled() &&
+      (query.requires_grad() || key.requires_grad() || value.requires_grad() ||
+       (bias.defined() && bias.requires_grad()));
   if (kept == KeptWeights::kAuto) {
     // Keeping the weights saves backward a third of its work (the scores'
     // GEMM and softmax again); worth its memory while that is small. Without
@@ -508,22 +611,18 @@ AttentionResult blocked_attention(const torch::Tensor& query,
     // batched ops (the path small problems took before), forward+backward
     // unchanged; at (8,256,512,8) keeping 16 MiB gained nothing clear.
     constexpr int64_t kKeepScores = int64_t{1} << 20;
-    const bool needs_grad =
-        torch::GradMode::is_enabled() &&
-        (query.requires_grad() || key.requires_grad() || value.requires_grad());
     spec.keep_weights =
         needs_grad &&
         query.numel() / std::max<int64_t>(1, query.size(-1)) * S <= kKeepScores;
   } else {
     spec.keep_weights = kept == KeptWeights::kAlways;
   }
-  if (is_causal) {
-    spec.causal = torch::ones({spec.block_rows, spec.block_rows},
-                              torch::TensorOptions().dtype(torch::kBool))
-                      .triu(/*diagonal=*/1);
-  }
-  auto outputs = BlockedAttentionFunction::apply(to_4d(query), to_4d(key),
-                                                 to_4d(value), spec);
+  // LibTorch 1.13's custom functions take no undefined inputs: no bias is
+  // an empty placeholder there.
+  auto outputs = BlockedAttentionFunction::apply(
+      to_4d(query), to_4d(key), to_4d(value),
+      bias.defined() ? bias.contiguous() : at::empty({0}, query.options()),
+      spec);
   auto output = outputs[0];
   auto weights_out = outputs.size() > 1 ? outputs[1] : torch::Tensor();
   // Back to the input's rank.
@@ -539,9 +638,9 @@ AttentionResult blocked_attention(const torch::Tensor& query,
 AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& key_in,
                                const torch::Tensor& value_in,
-                               const torch::Tensor& mask, bool is_causal,
-                               double dropout_p, double scale,
-                               WeightsMode weights) {
+                               const torch::Tensor& mask,
+                               const KeyPositions& positions, double dropout_p,
+                               double scale, WeightsMode weights) {
   const bool grouped = query.dim() == 4 && key_in.size(1) != query.size(1);
   TORCH_INTERNAL_ASSERT(!grouped || query.size(1) % key_in.size(1) == 0,
                         "attention_core: key/value heads must divide query's");
@@ -549,19 +648,20 @@ AttentionResult attention_core(const torch::Tensor& query,
       blocked_attention_applies(query, key_in, mask, dropout_p);
   if (grouped && blocked) {
     // The blocked path reads key/value head h / group for query head h.
-    return blocked_attention(query, key_in, value_in, mask, is_causal, scale,
+    return blocked_attention(query, key_in, value_in, mask, positions, scale,
                              weights);
   }
   // Elsewhere each query head gets its key/value head, copied.
   const auto key = grouped ? repeat_kv(key_in, query.size(1)) : key_in;
   const auto value = grouped ? repeat_kv(value_in, query.size(1)) : value_in;
 #if MHA_HAS_FUSED_SDPA
-  if (weights == WeightsMode::kNone) {
+  if (weights == WeightsMode::kNone && positions.plain()) {
     // LibTorch refuses is_causal together with a mask: merge them then.
-    const bool merge = is_causal && mask.defined();
-    auto fused_mask = merge ? with_causal(mask, query, key) : mask;
+    const bool merge = positions.causal && mask.defined();
+    auto fused_mask =
+        merge ? with_positions(mask, positions, query, key) : mask;
     auto output = fused_sdpa(query, key, value, fused_mask, dropout_p,
-                             is_causal && !merge, scale);
+                             positions.causal && !merge, scale);
     // The fused kernel adds the mask to the scores, so a score that
     // overflowed to +inf at a blocked key turns into NaN, where mha's
     // semantics say a blocked key changes nothing. On CPU such a (rare)
@@ -573,11 +673,37 @@ AttentionResult attention_core(const torch::Tensor& query,
   }
 #endif
   if (blocked) {
-    return blocked_attention(query, key, value, mask, is_causal, scale,
+    return blocked_attention(query, key, value, mask, positions, scale,
                              weights);
   }
-  return explicit_attention(query, key, value, mask, is_causal, dropout_p,
+  return explicit_attention(query, key, value, mask, positions, dropout_p,
                             scale, weights);
+}
+
+torch::Tensor key_positions_mask(const KeyPositions& positions, int64_t L,
+                                 int64_t S,
+                                 const torch::TensorOptions& options) {
+  if (!positions.causal && positions.window == 0) {
+    return torch::Tensor();
+  }
+  const auto index = torch::TensorOptions(options).dtype(torch::kLong);
+  auto i = torch::arange(L, index).unsqueeze(1);  // (L, 1)
+  auto j = torch::arange(S, index).unsqueeze(0);  // (1, S)
+  // Visible: begin(i) <= j < end(i), as KeyPositions defines.
+  auto blocked = j.lt(i + positions.begin(0))
+                     .logical_or_(j.ge(i + positions.end(0)));  // (L, S)
+  return torch::zeros({L, S}, options)
+      .masked_fill_(blocked, -std::numeric_limits<double>::infinity());
+}
+
+torch::Tensor dense_relative_bias(const torch::Tensor& relative_bias, int64_t L,
+                                  int64_t S) {
+  const auto index = relative_bias.options().dtype(torch::kLong);
+  auto i = torch::arange(L, index).unsqueeze(1);  // (L, 1)
+  auto j = torch::arange(S, index).unsqueeze(0);  // (1, S)
+  auto diagonal = (j - i + (L - 1)).view(-1);     // (L·S)
+  return relative_bias.index_select(1, diagonal)
+      .view({relative_bias.size(0), L, S});  // (Hb, L, S)
 }
 
 void check_broadcastable(const torch::Tensor& mask, const char* name,

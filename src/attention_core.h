@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 
 namespace mha::detail {
 
@@ -22,10 +23,61 @@ struct AttentionResult {
   torch::Tensor weights;  // as WeightsMode, after dropout, or undefined
 };
 
+/// Which keys each query sees, and biases that depend on positions only,
+/// beyond an explicit mask. Query row i sits at key position i + diagonal
+/// (0: top-left alignment; S - L: bottom-right, the last query row at the
+/// last key, as in cached decoding).
+struct KeyPositions {
+  /// Implicit from is_causal: top-left causal or nothing.
+  KeyPositions(bool causal_ = false) : causal(causal_) {}  // NOLINT
+
+  /// Block key j when j > i + diagonal.
+  bool causal = false;
+  /// See above; any value, including negative.
+  int64_t diagonal = 0;
+  /// > 0: block key j when |i + diagonal - j| >= window (with causal: the
+  /// window keys up to and including position i + diagonal). 0: no limit.
+  int64_t window = 0;
+  /// Undefined, or (Hb, L + S - 1) of query's dtype, Hb 1 or the query's
+  /// head count H (4-D inputs; else 1): entry [h][j - i + L - 1] is added
+  /// to the score of query i and key j in head h, a bias that depends on
+  /// j - i only (ALiBi, T5's relative bias) stored in O(H (L + S)). May
+  /// need a gradient.
+  torch::Tensor relative_bias;
+
+  /// True when nothing beyond top-left causal (or nothing) is asked for.
+  bool plain() const {
+    return diagonal == 0 && window == 0 && !relative_bias.defined();
+  }
+  /// The range of visible keys of query row i: [begin(i), end(i)) clamped to
+  /// [0, S) by the caller.
+  int64_t begin(int64_t i) const {
+    return window > 0 ? i + diagonal - window + 1
+                      : std::numeric_limits<int64_t>::min() / 2;
+  }
+  int64_t end(int64_t i) const {
+    return causal       ? i + diagonal + 1
+           : window > 0 ? i + diagonal + window
+                        : std::numeric_limits<int64_t>::max() / 2;
+  }
+};
+
+/// Dense (L, S) additive mask (0 / -inf) of `positions`' causal and window
+/// limits, or undefined when it has none.
+torch::Tensor key_positions_mask(const KeyPositions& positions, int64_t L,
+                                 int64_t S,
+                                 const torch::TensorOptions& options);
+
+/// Dense (Hb, L, S) of `positions.relative_bias` (Hb, L + S - 1):
+/// [h][i][j] = relative_bias[h][j - i + L - 1]; differentiable.
+torch::Tensor dense_relative_bias(const torch::Tensor& relative_bias, int64_t L,
+                                  int64_t S);
+
 /// softmax(query · keyᵀ · scale + mask) · value with fully masked rows set to
 /// 0. `mask` is additive (0 / -inf / any float) of query's dtype,
-/// broadcastable to (..., L, S), or undefined; `is_causal` blocks key j for
-/// query i when j > i (top-left), on top of `mask`. Inputs are assumed
+/// broadcastable to (..., L, S), or undefined; `positions` adds its limits
+/// and bias on top of `mask` (a bool is_causal converts: key j > query i
+/// blocked, top-left). Inputs are assumed
 /// checked; kAverage needs 4-D (N, H, L, E) inputs. 4-D key and value may
 /// have fewer heads Hkv than query's H, dividing it (grouped-query
 /// attention): query head h then attends with key/value head h / (H / Hkv).
@@ -40,15 +92,16 @@ struct AttentionResult {
 AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& key,
                                const torch::Tensor& value,
-                               const torch::Tensor& mask, bool is_causal,
-                               double dropout_p, double scale,
-                               WeightsMode weights);
+                               const torch::Tensor& mask,
+                               const KeyPositions& positions, double dropout_p,
+                               double scale, WeightsMode weights);
 
 /// The explicit path: whole (..., L, S) score and weight tensors.
 AttentionResult explicit_attention(const torch::Tensor& query,
                                    const torch::Tensor& key,
                                    const torch::Tensor& value,
-                                   const torch::Tensor& mask, bool is_causal,
+                                   const torch::Tensor& mask,
+                                   const KeyPositions& positions,
                                    double dropout_p, double scale,
                                    WeightsMode weights);
 
@@ -68,8 +121,9 @@ enum class KeptWeights {
 
 /// Blocked attention: for each (batch, head), query rows in blocks of
 /// `block_rows` (0: chosen from S), scores of one block at a time in a
-/// reused buffer, scale folded into the GEMM, mask, causal block and softmax
-/// applied in place, keys right of the diagonal skipped when causal; blocks
+/// reused buffer, scale folded into the GEMM, mask, position limits and bias
+/// and softmax applied in place, only the columns a block's rows can see
+/// computed (right of the diagonal when causal, outside the window); blocks
 /// spread over ATen's threads (for_each_item). Backward (a custom autograd
 /// function) uses each block's weights kept by forward or, for large
 /// problems (`kept`), recomputes them block by block: memory then
@@ -78,9 +132,9 @@ enum class KeptWeights {
 AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& key,
                                   const torch::Tensor& value,
-                                  const torch::Tensor& mask, bool is_causal,
-                                  double scale, WeightsMode weights,
-                                  int64_t block_rows = 0,
+                                  const torch::Tensor& mask,
+                                  const KeyPositions& positions, double scale,
+                                  WeightsMode weights, int64_t block_rows = 0,
                                   KeptWeights kept = KeptWeights::kAuto);
 
 /// Calls body(item, scratch) for every item in [0, items), where scratch is

@@ -1,8 +1,8 @@
 // Internal: a row softmax for float32 blocks of attention scores on x86-64
 // CPUs with AVX2 and FMA, fusing what the blocked attention path otherwise
-// runs as separate ATen passes: the causal limit (keys right of the
-// diagonal), the softmax, and the zero rows of fully masked queries. Not
-// installed.
+// runs as separate ATen passes: the limits of the visible keys (a causal
+// diagonal, a sliding window), a relative position bias, the softmax, and
+// the zero rows of fully masked queries. Not installed.
 //
 // Why: in the blocked path the causal triangle took a masked_fill, the
 // softmax a LibTorch kernel call, and fully masked rows an isnan scan, each
@@ -78,46 +78,66 @@ __attribute__((target("avx2,fma"))) inline float reduce_sum_avx2(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/// Row x[0, cols): softmax over x[0, n), zeros in x[n, cols); a row whose
-/// first n entries are all -inf (fully masked) becomes zeros.
-__attribute__((target("avx2,fma"))) inline void softmax_row_avx2(float* x,
-                                                                 int64_t n,
-                                                                 int64_t cols) {
+/// Row x[0, cols): x[begin, end) plus bias[begin, end) (when bias is not
+/// null) becomes its softmax, the rest zeros; a row whose visible entries
+/// are all -inf (fully masked) or empty becomes zeros.
+__attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
+    float* x, const float* bias, int64_t begin, int64_t end, int64_t cols) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::fill(x, x + begin, 0.0f);
+  std::fill(x + std::max(begin, end), x + cols, 0.0f);
+  float* row = x + begin;
+  const int64_t n = end - begin;
+  if (n <= 0) {
+    return;
+  }
   __m256 vmax = _mm256_set1_ps(kNegInf);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
+  if (bias != nullptr) {
+    const float* b = bias + begin;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 s =
+          _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(b + i));
+      _mm256_storeu_ps(row + i, s);
+      vmax = _mm256_max_ps(vmax, s);
+    }
+    for (int64_t j = i; j < n; ++j) {
+      row[j] += b[j];
+    }
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + i));
+    }
   }
   float max = reduce_max_avx2(vmax);
   for (; i < n; ++i) {
-    max = std::max(max, x[i]);
+    max = std::max(max, row[i]);
   }
   if (max == kNegInf) {
-    std::fill(x, x + cols, 0.0f);  // attends to nothing
+    std::fill(row, row + n, 0.0f);  // attends to nothing
     return;
   }
   const __m256 shift = _mm256_set1_ps(max);
   __m256 vsum = _mm256_setzero_ps();
   for (i = 0; i + 8 <= n; i += 8) {
-    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
-    _mm256_storeu_ps(x + i, e);
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + i), shift));
+    _mm256_storeu_ps(row + i, e);
     vsum = _mm256_add_ps(vsum, e);
   }
   float sum = reduce_sum_avx2(vsum);
   for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - max);
-    sum += x[i];
+    row[i] = std::exp(row[i] - max);
+    sum += row[i];
   }
   const float inverse = 1.0f / sum;
   const __m256 vinverse = _mm256_set1_ps(inverse);
   for (i = 0; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vinverse));
+    _mm256_storeu_ps(row + i,
+                     _mm256_mul_ps(_mm256_loadu_ps(row + i), vinverse));
   }
   for (; i < n; ++i) {
-    x[i] *= inverse;
+    row[i] *= inverse;
   }
-  std::fill(x + n, x + cols, 0.0f);
 }
 
 #endif  // MHA_FUSED_SOFTMAX_X86
@@ -133,28 +153,47 @@ inline bool fused_softmax_available() {
 #endif
 }
 
+/// The visible columns of the rows of one block of scores: row r sees
+/// columns [begin(r), end(r)), each limit either fixed or moving one column
+/// right per row (a causal diagonal, a sliding window's edge).
+struct RowLimits {
+  int64_t begin0 = 0;  ///< begin of row 0 (may be negative)
+  int64_t end0 = 0;    ///< end of row 0 (may exceed cols)
+  bool begin_slides = false;
+  bool end_slides = false;
+
+  int64_t begin(int64_t r, int64_t cols) const {
+    return std::clamp<int64_t>(begin0 + (begin_slides ? r : 0), 0, cols);
+  }
+  int64_t end(int64_t r, int64_t cols) const {
+    return std::clamp<int64_t>(end0 + (end_slides ? r : 0), 0, cols);
+  }
+};
+
 /// In place on p (rows, cols), contiguous float32 scores: row r becomes the
-/// softmax of its first visible(r) entries followed by zeros, where
-/// visible(r) = min(cols, causal_row0 + r + 1) when causal_row0 >= 0 (query
-/// row causal_row0 + r sees keys up to its own index) and cols otherwise. A
-/// row with nothing visible but -inf becomes zeros. Rows run in parallel.
-/// Call only when fused_softmax_available().
-inline void fused_softmax_rows(torch::Tensor& p, int64_t causal_row0) {
+/// softmax of entries [limits.begin(r), limits.end(r)) with zeros around
+/// them; a row with nothing visible but -inf becomes zeros. When `bias` is
+/// not null, row r first adds bias[c - r] at column c (a bias constant along
+/// diagonals, such as a relative position bias; bias[-(rows - 1)] to
+/// bias[cols - 1] must be readable). Rows run in parallel. Call only when
+/// fused_softmax_available().
+inline void fused_softmax_rows(torch::Tensor& p, const RowLimits& limits,
+                               const float* bias = nullptr) {
 #if MHA_FUSED_SOFTMAX_X86
   const int64_t rows = p.size(0), cols = p.size(1);
   float* data = p.data_ptr<float>();
   const int64_t grain =
       std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t visible =
-          causal_row0 >= 0 ? std::min(cols, causal_row0 + r + 1) : cols;
-      softmax_row_avx2(data + r * cols, visible, cols);
+  at::parallel_for(0, rows, grain, [&](int64_t row_begin, int64_t row_end) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      softmax_row_avx2(data + r * cols, bias == nullptr ? nullptr : bias - r,
+                       limits.begin(r, cols), limits.end(r, cols), cols);
     }
   });
 #else
   (void)p;
-  (void)causal_row0;
+  (void)limits;
+  (void)bias;
   TORCH_CHECK(false, "fused_softmax_rows: not available on this CPU");
 #endif
 }

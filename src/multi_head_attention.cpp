@@ -112,6 +112,32 @@ void MultiHeadAttentionImpl::reset() {
         options.rotary_theta());
   }
 
+  const bool extra_keys = options.add_bias_kv() || options.add_zero_attn();
+  if (options.window().has_value()) {
+    TORCH_CHECK(*options.window() >= 1,
+                "MultiHeadAttention: window must be >= 1, but got ",
+                *options.window());
+  }
+  TORCH_CHECK(!extra_keys || (!options.window().has_value() &&
+                              options.position_bias() == PositionBias::kNone),
+              "MultiHeadAttention: window and position_bias cannot be "
+              "combined with add_bias_kv or add_zero_attn (their extra key "
+              "position has no position)");
+  if (options.position_bias() == PositionBias::kRelative) {
+    // relative_position_bucket's rules, checked here rather than at the
+    // first forward.
+    const int64_t n = options.relative_bidirectional()
+                          ? options.relative_num_buckets() / 2
+                          : options.relative_num_buckets();
+    TORCH_CHECK(n / 2 >= 1 && options.relative_max_distance() > n / 2,
+                "MultiHeadAttention: relative_num_buckets must be >= ",
+                options.relative_bidirectional() ? 4 : 2,
+                " and relative_max_distance must exceed a quarter (half when "
+                "not bidirectional) of it, but got relative_num_buckets=",
+                options.relative_num_buckets(),
+                ", relative_max_distance=", options.relative_max_distance());
+  }
+
   // Registration order as PyTorch's, so named_parameters() lists the same
   // keys in the same order. Unused parameters are not registered.
   in_proj_weight = q_proj_weight = k_proj_weight = v_proj_weight =
@@ -138,6 +164,12 @@ void MultiHeadAttentionImpl::reset() {
   out_proj = register_module(
       "out_proj",
       torch::nn::Linear(torch::nn::LinearOptions(E, E).bias(options.bias())));
+  relative_attention_bias = nullptr;
+  if (options.position_bias() == PositionBias::kRelative) {
+    relative_attention_bias = register_module(
+        "relative_attention_bias",
+        torch::nn::Embedding(options.relative_num_buckets(), H));
+  }
   reset_parameters();
 }
 
@@ -159,6 +191,11 @@ void MultiHeadAttentionImpl::reset_parameters() {
   if (bias_k.defined()) {
     torch::nn::init::xavier_normal_(bias_k);
     torch::nn::init::xavier_normal_(bias_v);
+  }
+  if (relative_attention_bias) {
+    // As Hugging Face's T5: N(0, d_model^-1/2).
+    relative_attention_bias->weight.normal_(
+        0.0, 1.0 / std::sqrt(static_cast<double>(options.embed_dim())));
   }
 }
 
@@ -195,6 +232,17 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
     if (options.rotary_pairing() == RotaryPairing::kInterleaved) {
       stream << ", rotary_pairing=interleaved";
     }
+  }
+  if (options.window().has_value()) {
+    stream << ", window=" << *options.window();
+  }
+  if (options.position_bias() == PositionBias::kAlibi) {
+    stream << ", position_bias=alibi";
+  } else if (options.position_bias() == PositionBias::kRelative) {
+    stream << ", position_bias=relative(buckets="
+           << options.relative_num_buckets()
+           << ", max_distance=" << options.relative_max_distance()
+           << (options.relative_bidirectional() ? ")" : ", unidirectional)");
   }
   if (!options.batch_first()) {
     stream << ", batch_first=false";
@@ -366,6 +414,37 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
           detail::project(value, rows_of(w, 2 * E, E), rows_of(b, 2 * E, E))};
 }
 
+/// The position rules of the module's options for L queries, query row 0
+/// at key position `diagonal`, and S keys: causal, window and the position
+/// bias per diagonal (attention_core.h's KeyPositions).
+detail::KeyPositions key_positions(const MultiHeadAttentionImpl& m, int64_t L,
+                                   int64_t S, int64_t diagonal, bool causal,
+                                   const torch::TensorOptions& options) {
+  detail::KeyPositions positions(causal);
+  positions.diagonal = diagonal;
+  positions.window = m.options.window().value_or(0);
+  const auto kind = m.options.position_bias();
+  if (kind == PositionBias::kNone) {
+    return positions;
+  }
+  // Entry k of a (H, L + S - 1) row is the diagonal j - i = k - (L - 1),
+  // the relative position key - query = k - (L - 1) - diagonal.
+  const auto index = options.dtype(torch::kLong);
+  auto relative = torch::arange(L + S - 1, index) - (L - 1 + diagonal);
+  if (kind == PositionBias::kAlibi) {
+    auto slopes = alibi_slopes(m.options.num_heads(), options);  // (H)
+    positions.relative_bias =
+        -slopes.unsqueeze(1) * relative.abs().to(options.dtype()).unsqueeze(0);
+  } else {
+    auto buckets = relative_position_bucket(
+        relative, m.options.relative_bidirectional(),
+        m.options.relative_num_buckets(), m.options.relative_max_distance());
+    positions.relative_bias =  // (L+S-1, H) → (H, L+S-1)
+        m.relative_attention_bias->weight.index_select(0, buckets).t();
+  }
+  return positions;
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
@@ -434,8 +513,13 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
                             : average_attn_weights
                                 ? detail::WeightsMode::kAverage
                                 : detail::WeightsMode::kPerHead;
-  auto result = detail::attention_core(q, k, v, mask, is_causal && !extra_keys,
-                                       p_drop, scale, weights_mode);
+  // The extra key positions and the position rules exclude each other
+  // (reset), so the causal block goes to the core here only without them.
+  const auto positions =
+      key_positions(*this, L, S, /*diagonal=*/0, is_causal && !extra_keys,
+                    in.query.options());
+  auto result = detail::attention_core(q, k, v, mask, positions, p_drop, scale,
+                                       weights_mode);
   // (N, H, L, D) → (N, L, E) → out_proj
   auto output = detail::project(merge_heads(result.output), out_proj->weight,
                                 out_proj->bias);  // (N, L, E)
@@ -450,6 +534,133 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     output = output.transpose(0, 1);  // (L, N, E)
   }
   return {output, weights};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
+    const torch::Tensor& query, KVCache& cache, bool is_causal,
+    bool need_weights, bool average_attn_weights) {
+  TORCH_CHECK(!options.add_bias_kv() && !options.add_zero_attn(),
+              "MultiHeadAttention::forward_cached: add_bias_kv and "
+              "add_zero_attn are not supported with a cache");
+  auto in = to_batch_first(*this, query, {}, {}, {});
+  const int64_t N = in.query.size(0);
+  const int64_t T = in.query.size(1);
+  const int64_t H = options.num_heads();
+  const int64_t Hkv = num_kv_heads();
+  TORCH_CHECK(cache.batch_size() == N && cache.num_kv_heads() == Hkv &&
+                  cache.head_dim() == head_dim,
+              "MultiHeadAttention::forward_cached: cache must hold (N, "
+              "num_kv_heads, head_dim) = (",
+              N, ", ", Hkv, ", ", head_dim, "), but holds (",
+              cache.batch_size(), ", ", cache.num_kv_heads(), ", ",
+              cache.head_dim(), ")");
+  TORCH_CHECK(cache.options().dtype() == in.query.dtype() &&
+                  cache.options().device() == in.query.device(),
+              "MultiHeadAttention::forward_cached: cache must have query's "
+              "dtype ",
+              in.query.scalar_type(), " and device ", in.query.device(),
+              ", but has ", cache.options().dtype(), " on ",
+              cache.options().device());
+  const int64_t P = cache.size();  // position of query row 0
+  TORCH_CHECK(P + T <= cache.capacity(),
+              "MultiHeadAttention::forward_cached: cache has room for ",
+              cache.capacity() - P, " more positions (capacity ",
+              cache.capacity(), ", ", P, " held), but query has ", T);
+
+  auto p = project_inputs(*this, in.query, in.query, in.query,
+                          /*self_attention=*/true, /*key_is_value=*/true);
+  auto q = split_heads(p.q, H);    // (N, H, T, D)
+  auto k = split_heads(p.k, Hkv);  // (N, Hkv, T, D)
+  auto v = split_heads(p.v, Hkv);  // (N, Hkv, T, D)
+  if (options.rotary()) {          // row t at position P + t
+    q = rotary_embedding(q, P, options.rotary_theta(),
+                         options.rotary_pairing());
+    k = rotary_embedding(k, P, options.rotary_theta(),
+                         options.rotary_pairing());
+  }
+  auto [k_all, v_all] = cache.append(k, v);  // (N, Hkv, P + T, D)
+  const bool needs_grad =
+      torch::GradMode::is_enabled() && (k.requires_grad() || v.requires_grad());
+  if (needs_grad) {
+    // The cache's copies carry no gradient: this call's keys and values
+    // join the earlier ones by a differentiable concatenation.
+    k_all = torch::cat({k_all.narrow(2, 0, P), k}, 2);
+    v_all = torch::cat({v_all.narrow(2, 0, P), v}, 2);
+  }
+  const int64_t S = P + T;
+  const double p_drop = is_training() ? options.dropout() : 0.0;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const auto weights_mode = !need_weights ? detail::WeightsMode::kNone
+                            : average_attn_weights
+                                ? detail::WeightsMode::kAverage
+                                : detail::WeightsMode::kPerHead;
+  const auto positions =
+      key_positions(*this, T, S, /*diagonal=*/P, is_causal, in.query.options());
+  auto result = detail::attention_core(q, k_all, v_all, torch::Tensor(),
+                                       positions, p_drop, scale, weights_mode);
+  auto output = detail::project(merge_heads(result.output), out_proj->weight,
+                                out_proj->bias);  // (N, T, E)
+  auto weights = result.weights;
+  if (!in.batched) {
+    output = output.squeeze(0);  // (T, E)
+    if (weights.defined()) {
+      weights = weights.squeeze(0);
+    }
+  } else if (!options.batch_first()) {
+    output = output.transpose(0, 1);  // (T, N, E)
+  }
+  return {output, weights};
+}
+
+KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch_size,
+                                              int64_t capacity) const {
+  return KVCache(batch_size, num_kv_heads(), capacity, head_dim,
+                 out_proj->weight.options());
+}
+
+KVCache::KVCache(int64_t batch_size, int64_t num_kv_heads, int64_t capacity,
+                 int64_t head_dim, torch::TensorOptions options) {
+  TORCH_CHECK(
+      batch_size >= 1 && num_kv_heads >= 1 && head_dim >= 1 && capacity >= 0,
+      "KVCache: batch_size, num_kv_heads and head_dim must be >= 1 "
+      "and capacity >= 0, but got batch_size=",
+      batch_size, ", num_kv_heads=", num_kv_heads, ", capacity=", capacity,
+      ", head_dim=", head_dim);
+  const auto o = options.requires_grad(false);
+  key_buffer_ = torch::empty({batch_size, num_kv_heads, capacity, head_dim}, o);
+  value_buffer_ =
+      torch::empty({batch_size, num_kv_heads, capacity, head_dim}, o);
+}
+
+std::pair<torch::Tensor, torch::Tensor> KVCache::append(
+    const torch::Tensor& key, const torch::Tensor& value) {
+  TORCH_CHECK(key.defined() && value.defined() && key.dim() == 4 &&
+                  key.sizes() == value.sizes() && key.size(0) == batch_size() &&
+                  key.size(1) == num_kv_heads() && key.size(3) == head_dim(),
+              "KVCache::append: key and value must both be (N, Hkv, T, D) = (",
+              batch_size(), ", ", num_kv_heads(), ", T, ", head_dim(),
+              "), but got key ",
+              key.defined() ? key.sizes() : torch::IntArrayRef{}, " and value ",
+              value.defined() ? value.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(key.scalar_type() == key_buffer_.scalar_type() &&
+                  value.scalar_type() == key_buffer_.scalar_type() &&
+                  key.device() == key_buffer_.device() &&
+                  value.device() == key_buffer_.device(),
+              "KVCache::append: key and value must be ",
+              key_buffer_.scalar_type(), " on ", key_buffer_.device(),
+              ", but got key ", key.scalar_type(), " on ", key.device(),
+              " and value ", value.scalar_type(), " on ", value.device());
+  const int64_t T = key.size(2);
+  TORCH_CHECK(size_ + T <= capacity(), "KVCache::append: ", T,
+              " positions do not fit: ", size_, " of ", capacity(),
+              " are held");
+  {
+    torch::NoGradGuard no_grad;
+    key_buffer_.narrow(2, size_, T).copy_(key);
+    value_buffer_.narrow(2, size_, T).copy_(value);
+  }
+  size_ += T;
+  return {this->key(), this->value()};
 }
 
 }  // namespace mha

@@ -1209,9 +1209,9 @@ TEST(SingleThreadedBlas, OverlappingScopesRestoreTheCount) {
 }
 
 // The fused float32 softmax of the blocked path (src/fused_softmax.h)
-// against torch::softmax in float64: widths around the 8-lane vectors, the
-// causal limit at several offsets, -inf entries, fully masked rows, large
-// and tiny scores.
+// against torch::softmax in float64: widths around the 8-lane vectors, a
+// causal end at several offsets, a sliding window's two edges, a bias along
+// diagonals, -inf entries, fully masked rows, large and tiny scores.
 TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
   if (!mha::detail::fused_softmax_available()) {
     GTEST_SKIP() << "this CPU has no AVX2/FMA: the blocked path uses ATen's "
@@ -1219,33 +1219,59 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
   }
   constexpr float kInf = std::numeric_limits<float>::infinity();
   torch::manual_seed(11);
+  const int64_t rows = 6;
   for (const int64_t cols : {1, 7, 8, 9, 16, 33, 100}) {
-    for (const int64_t causal_row0 : {int64_t{-1}, int64_t{0}, cols / 2}) {
-      const int64_t rows = 6;
-      auto scores = torch::randn({rows, cols}) * 20.0;  // (rows, cols)
-      scores[1] = scores[1] + 1e4;                      // large, shifted
-      scores[2] = scores[2] * 1e-3;                     // nearly uniform
-      if (cols > 2) {
-        scores[3][1] = -kInf;  // one blocked key
+    std::vector<mha::detail::RowLimits> cases;
+    for (const int64_t end0 : {int64_t{1}, cols / 2 + 1}) {
+      cases.push_back({0, end0, false, true});  // causal from row `end0 - 1`
+    }
+    cases.push_back({0, cols, false, false});        // everything visible
+    cases.push_back({-3, 2, true, true});            // window of 5 sliding
+    cases.push_back({cols / 3, cols, true, false});  // begin slides alone
+    for (const auto& limits : cases) {
+      for (const bool with_bias : {false, true}) {
+        auto scores = torch::randn({rows, cols}) * 20.0;  // (rows, cols)
+        scores[1] = scores[1] + 1e4;                      // large, shifted
+        scores[2] = scores[2] * 1e-3;                     // nearly uniform
+        if (cols > 2) {
+          scores[3][1] = -kInf;  // one blocked key
+        }
+        scores[4].fill_(-kInf);  // fully masked: zeros
+        // bias[c - r] for row r, column c: a vector of rows + cols - 1
+        auto bias = torch::randn({rows + cols - 1}) * 3.0;
+        // Reference: written entry by entry (the bias added in float32, as
+        // the kernel does: on row 1's 1e4 its rounding is not the kernel's
+        // error), float64 softmax, 0 for a row with nothing visible.
+        auto reference = scores.clone();
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t begin = limits.begin0 + (limits.begin_slides ? r : 0);
+            const int64_t end = limits.end0 + (limits.end_slides ? r : 0);
+            if (c < begin || c >= end) {
+              reference[r][c] = -kInf;
+            } else if (with_bias) {
+              reference[r][c] += bias[rows - 1 + c - r];
+            }
+          }
+        }
+        reference =
+            torch::softmax(reference.to(torch::kFloat64), 1).nan_to_num(0.0);
+        auto fused = scores.clone();
+        mha::detail::fused_softmax_rows(
+            fused, limits,
+            with_bias ? bias.data_ptr<float>() + (rows - 1) : nullptr);
+        EXPECT_TRUE(torch::allclose(fused.to(torch::kFloat64), reference,
+                                    /*rtol=*/1e-5, /*atol=*/1e-7))
+            << "cols " << cols << ", limits " << limits.begin0 << "/"
+            << limits.begin_slides << ", " << limits.end0 << "/"
+            << limits.end_slides << ", bias " << with_bias
+            << ", max difference "
+            << (fused.to(torch::kFloat64) - reference)
+                   .abs()
+                   .max()
+                   .item<double>();
+        EXPECT_TRUE(torch::equal(fused[4], torch::zeros({cols})));
       }
-      scores[4].fill_(-kInf);  // fully masked: zeros
-      // Reference: blocked entries at -inf, float64 softmax, 0 for a row
-      // with nothing visible.
-      auto reference = scores.to(torch::kFloat64);
-      if (causal_row0 >= 0) {
-        reference.masked_fill_(
-            torch::ones({rows, cols}, torch::kBool).triu(causal_row0 + 1),
-            -kInf);
-      }
-      reference = torch::softmax(reference, 1).nan_to_num(0.0);
-      auto fused = scores.clone();
-      mha::detail::fused_softmax_rows(fused, causal_row0);
-      EXPECT_TRUE(torch::allclose(fused.to(torch::kFloat64), reference,
-                                  /*rtol=*/1e-5, /*atol=*/1e-7))
-          << "cols " << cols << ", causal_row0 " << causal_row0
-          << ", max difference "
-          << (fused.to(torch::kFloat64) - reference).abs().max().item<double>();
-      EXPECT_TRUE(torch::equal(fused[4], torch::zeros({cols})));
     }
   }
 }

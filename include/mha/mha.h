@@ -3,11 +3,12 @@
 #pragma once
 
 #include "mha/attention.h"
+#include "mha/kv_cache.h"
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"
 #include "mha/parity.h"
-#include "mha/positions.h"
 #include "mha/plot.h"
+#include "mha/positions.h"
 #include "mha/state_dict.h"
 #include "mha/train.h"
 #include "mha/transformer.h"

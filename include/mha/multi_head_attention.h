@@ -15,9 +15,18 @@
 
 #include <tuple>
 
+#include "mha/kv_cache.h"
 #include "mha/positions.h"
 
 namespace mha {
+
+/// A bias on the attention scores that depends on the query and key
+/// positions only.
+enum class PositionBias {
+  kNone,      ///< none (PyTorch's multi-head attention)
+  kAlibi,     ///< ALiBi: -m_h · |i - j|, fixed slopes (alibi_slopes)
+  kRelative,  ///< T5: a learned scalar per head and relative-position bucket
+};
 
 /// Options for MultiHeadAttention; names and defaults as PyTorch's, except
 /// batch_first (true here).
@@ -68,6 +77,28 @@ struct MultiHeadAttentionOptions {
   /// Which features the rotary embedding pairs. Default kHalf (GPT-NeoX,
   /// Llama in Hugging Face transformers).
   TORCH_ARG(RotaryPairing, rotary_pairing) = RotaryPairing::kHalf;
+  /// Sliding-window (local) attention (Longformer, Beltagy et al., 2020;
+  /// Mistral 7B, Jiang et al., 2023): query i sees key j only when
+  /// |i - j| < window, positions as for is_causal (forward_cached: the
+  /// query at the cache's position). With is_causal: the `window` keys up
+  /// to and including its own position. On the CPU the blocked core
+  /// computes only the scores inside the window: O(L · window). >= 1;
+  /// default (nullopt): no limit. Not with add_bias_kv / add_zero_attn.
+  /// Not in torch::nn.
+  TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
+  /// A position bias added to every head's scores (after the 1/sqrt(D)
+  /// scaling): kAlibi (Press et al., 2022) or kRelative (T5, Raffel et al.,
+  /// 2020; the learned `relative_attention_bias`). Stored per distance, never
+  /// as (L, S) per head, on the blocked CPU path. Not with add_bias_kv /
+  /// add_zero_attn. Default kNone. Not in torch::nn.
+  TORCH_ARG(PositionBias, position_bias) = PositionBias::kNone;
+  /// kRelative: buckets of relative_position_bucket. Default 32 (T5).
+  TORCH_ARG(int64_t, relative_num_buckets) = 32;
+  /// kRelative: the distance where the last bucket begins. Default 128 (T5).
+  TORCH_ARG(int64_t, relative_max_distance) = 128;
+  /// kRelative: separate buckets for keys after the query (T5's encoder,
+  /// default true) or not (T5's decoder, for causal attention).
+  TORCH_ARG(bool, relative_bidirectional) = true;
 };
 
 /// Multi-head attention: out_proj(concat_h softmax(Q_h K_hᵀ / sqrt(D) + mask)
@@ -80,7 +111,9 @@ struct MultiHeadAttentionOptions {
 ///   v_proj_weight (Ekv, vdim);
 ///   in_proj_bias (E + 2 Ekv)       when bias (rows: query, key, value);
 ///   bias_k, bias_v (1, 1, Ekv)     when add_bias_kv;
-///   out_proj.weight (E, E), out_proj.bias (E) (bias only when bias).
+///   out_proj.weight (E, E), out_proj.bias (E) (bias only when bias);
+///   relative_attention_bias.weight (buckets, H)  when position_bias is
+///   kRelative.
 /// Initialised as PyTorch: xavier_uniform projections, zero biases,
 /// xavier_normal bias_k / bias_v, out_proj.weight as nn.Linear.
 ///
@@ -130,6 +163,32 @@ class MultiHeadAttentionImpl
       const torch::Tensor& attn_mask = {}, bool average_attn_weights = true,
       bool is_causal = false);
 
+  /// Self-attention for incremental decoding: projects query (N, T, E)
+  /// ((T, N, E) if !batch_first; (T, E) unbatched, N = 1), appends its keys
+  /// and values to `cache` (positions P = cache.size() to P + T - 1 before
+  /// the call, rotary keys rotated there), and attends from query row t, at
+  /// position P + t, to every cached key: bottom-right alignment. With
+  /// is_causal (default) query t sees the cache and new tokens <= t; window
+  /// and position_bias apply at the same positions. Equal, within rounding,
+  /// to forward(whole sequence, is_causal) restricted to the new rows.
+  ///
+  /// Returns (output like query's layout, weights (N, T, P + T) averaged or
+  /// (N, H, T, P + T) per head when need_weights, else undefined). Without
+  /// gradient mode (torch::NoGradGuard, as for generation) the attention
+  /// reads the cache's buffers in place; with it, gradients reach this
+  /// call's query, key and value but not the cached tokens of earlier calls.
+  ///
+  /// Throws c10::Error as forward, and for a cache of another batch size,
+  /// head count, head_dim, dtype or device, or without room for T tokens.
+  std::tuple<torch::Tensor, torch::Tensor> forward_cached(
+      const torch::Tensor& query, KVCache& cache, bool is_causal = true,
+      bool need_weights = false, bool average_attn_weights = true);
+
+  /// An empty KVCache for this module: batch_size sequences, capacity
+  /// positions, num_kv_heads() heads of head_dim, the parameters' dtype and
+  /// device.
+  KVCache make_kv_cache(int64_t batch_size, int64_t capacity) const;
+
  protected:
   // Defaults of forward's arguments 1..7: key, value, key_padding_mask,
   // need_weights, attn_mask, average_attn_weights, is_causal.
@@ -175,6 +234,9 @@ class MultiHeadAttentionImpl
   torch::Tensor bias_k;                  ///< (1, 1, Ekv) when add_bias_kv
   torch::Tensor bias_v;                  ///< (1, 1, Ekv) when add_bias_kv
   torch::nn::Linear out_proj = nullptr;  ///< E -> E
+  /// position_bias kRelative: weight (relative_num_buckets, H), one learned
+  /// bias per bucket and head (T5's name), initialised N(0, E^-1/2) as T5.
+  torch::nn::Embedding relative_attention_bias = nullptr;
 };
 
 /// Holder of MultiHeadAttentionImpl (module semantics as torch::nn).
