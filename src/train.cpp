@@ -337,9 +337,12 @@ void GPTBlockImpl::reset() {
   check_char_lm_options(options);
   const int64_t E = options.n_embd();
   ln_1 = register_module("ln_1", LayerNorm(LayerNormOptions(E)));
-  attn = register_module(
-      "attn", MultiHeadAttention(MultiHeadAttentionOptions(E, options.n_head())
-                                     .dropout(options.dropout())));
+  auto attn_options =
+      MultiHeadAttentionOptions(E, options.n_head()).dropout(options.dropout());
+  if (options.rotary()) {
+    attn_options.rotary(true).window(options.block_size());
+  }
+  attn = register_module("attn", MultiHeadAttention(attn_options));
   ln_2 = register_module("ln_2", LayerNorm(LayerNormOptions(E)));
   c_fc = register_module("c_fc", torch::nn::Linear(E, 4 * E));
   c_proj = register_module("c_proj", torch::nn::Linear(4 * E, E));
@@ -367,6 +370,14 @@ std::tuple<torch::Tensor, torch::Tensor> GPTBlockImpl::forward_impl(
   return {h + dropout(mlp), weights};             // (N, T, E)
 }
 
+torch::Tensor GPTBlockImpl::forward_cached(const torch::Tensor& x,
+                                           KVCache& cache) {
+  auto attended = std::get<0>(attn->forward_cached(ln_1(x), cache));
+  auto h = x + dropout(attended);                 // (N, T, E)
+  auto mlp = c_proj(torch::gelu(c_fc(ln_2(h))));  // (N, T, E)
+  return h + dropout(mlp);
+}
+
 CharLMImpl::CharLMImpl(const CharLMOptions& options_) : options(options_) {
   reset();
 }
@@ -375,7 +386,10 @@ void CharLMImpl::reset() {
   check_char_lm_options(options);
   const int64_t E = options.n_embd();
   wte = register_module("wte", torch::nn::Embedding(options.vocab_size(), E));
-  wpe = register_module("wpe", torch::nn::Embedding(options.block_size(), E));
+  wpe = nullptr;
+  if (!options.rotary()) {
+    wpe = register_module("wpe", torch::nn::Embedding(options.block_size(), E));
+  }
   drop = register_module("drop", torch::nn::Dropout(options.dropout()));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < options.n_layer(); ++i) {
@@ -388,7 +402,9 @@ void CharLMImpl::reset() {
   torch::NoGradGuard no_grad;
   const double residual_std = 0.02 / std::sqrt(2.0 * options.n_layer());
   wte->weight.normal_(0.0, 0.02);
-  wpe->weight.normal_(0.0, 0.02);
+  if (wpe) {
+    wpe->weight.normal_(0.0, 0.02);
+  }
   for (const auto& module : *h) {
     auto* block = module->as<GPTBlockImpl>();
     block->attn->in_proj_weight.normal_(0.0, 0.02);
@@ -402,13 +418,31 @@ void CharLMImpl::reset() {
   }
 }
 
-torch::Tensor CharLMImpl::forward(const torch::Tensor& idx) {
-  TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= options.block_size(),
-              "CharLM: idx must be (N, T) with T <= block_size = ",
-              options.block_size(), ", but got ", idx.sizes());
+namespace {
+
+/// The CharLM's input embedding of idx (N, T) at positions offset..offset +
+/// T - 1: wte, plus wpe without rotary (checked against block_size).
+torch::Tensor embed(CharLMImpl& lm, const torch::Tensor& idx, int64_t offset,
+                    const char* what) {
+  TORCH_CHECK(idx.dim() == 2, what, ": idx must be (N, T), but got ",
+              idx.sizes());
+  if (lm.options.rotary()) {
+    return lm.wte(idx);  // (N, T, E); positions enter in attention
+  }
   const int64_t T = idx.size(1);
-  auto positions = torch::arange(T, idx.options());  // (T)
-  auto x = drop(wte(idx) + wpe(positions));          // (N, T, E) + (T, E)
+  TORCH_CHECK(offset + T <= lm.options.block_size(), what,
+              ": idx must be (N, T) with T <= block_size = ",
+              lm.options.block_size() - offset,
+              offset > 0 ? " (after the cached positions)" : "", ", but got ",
+              idx.sizes());
+  auto positions = torch::arange(offset, offset + T, idx.options());  // (T)
+  return lm.wte(idx) + lm.wpe(positions);  // (N, T, E) + (T, E)
+}
+
+}  // namespace
+
+torch::Tensor CharLMImpl::forward(const torch::Tensor& idx) {
+  auto x = drop(embed(*this, idx, 0, "CharLM"));  // (N, T, E)
   for (const auto& block : *h) {
     x = block->as<GPTBlockImpl>()->forward(x);  // (N, T, E)
   }
@@ -416,17 +450,37 @@ torch::Tensor CharLMImpl::forward(const torch::Tensor& idx) {
   return torch::linear(x, wte->weight);  // (N,T,E)·(E,V) → (N, T, V)
 }
 
+std::vector<KVCache> CharLMImpl::make_kv_caches(int64_t batch_size,
+                                                int64_t capacity) const {
+  std::vector<KVCache> caches;
+  for (const auto& block : *h) {
+    caches.push_back(
+        block->as<GPTBlockImpl>()->attn->make_kv_cache(batch_size, capacity));
+  }
+  return caches;
+}
+
+torch::Tensor CharLMImpl::forward_cached(const torch::Tensor& idx,
+                                         std::vector<KVCache>& caches) {
+  TORCH_CHECK(caches.size() == h->size(),
+              "CharLM::forward_cached: caches must hold one KVCache per block "
+              "(",
+              h->size(), "), but got ", caches.size());
+  auto x = drop(embed(*this, idx, caches.front().size(),
+                      "CharLM::forward_cached"));  // (N, T, E)
+  for (size_t i = 0; i < h->size(); ++i) {
+    x = (*h)[i]->as<GPTBlockImpl>()->forward_cached(x, caches[i]);
+  }
+  x = ln_f(x);                           // (N, T, E)
+  return torch::linear(x, wte->weight);  // (N, T, V)
+}
+
 std::vector<torch::Tensor> CharLMImpl::attention_weights(
     const torch::Tensor& idx) {
-  TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= options.block_size(),
-              "CharLM::attention_weights: idx must be (N, T) with T <= "
-              "block_size = ",
-              options.block_size(), ", but got ", idx.sizes());
   torch::NoGradGuard no_grad;
   const bool was_training = is_training();
   eval();
-  auto positions = torch::arange(idx.size(1), idx.options());  // (T)
-  auto x = wte(idx) + wpe(positions);                          // (N, T, E)
+  auto x = embed(*this, idx, 0, "CharLM::attention_weights");  // (N, T, E)
   std::vector<torch::Tensor> weights;
   for (const auto& block : *h) {
     torch::Tensor w;
@@ -438,7 +492,8 @@ std::vector<torch::Tensor> CharLMImpl::attention_weights(
 }
 
 torch::Tensor generate(CharLM& model, const torch::Tensor& prompt,
-                       int64_t max_new_tokens, const SamplingOptions& options) {
+                       int64_t max_new_tokens, const SamplingOptions& options,
+                       bool use_kv_cache) {
   TORCH_CHECK(prompt.dim() == 1 && prompt.numel() >= 1,
               "generate: prompt must be 1-D and non-empty, but got ",
               prompt.sizes());
@@ -455,17 +510,16 @@ torch::Tensor generate(CharLM& model, const torch::Tensor& prompt,
   model->eval();
   const auto device = model->wte->weight.device();
   const int64_t V = model->options.vocab_size();
-  const int64_t block_size = model->options.block_size();
+  const bool rotary = model->options.rotary();
+  // The longest context the model reads: everything with rotary (its
+  // window limits each block), else block_size.
+  const int64_t context_limit = rotary ? std::numeric_limits<int64_t>::max()
+                                       : model->options.block_size();
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options.seed());
 
-  auto ids = prompt.to(torch::kCPU, torch::kInt64);  // (T0 + generated)
-  for (int64_t i = 0; i < max_new_tokens; ++i) {
-    const int64_t T = std::min(ids.size(0), block_size);
-    auto context = ids.narrow(0, ids.size(0) - T, T).unsqueeze(0);  // (1, T)
-    auto logits = model(context.to(device))                         // (1,T,V)
-                      .select(1, T - 1)
-                      .squeeze(0)
-                      .to(torch::kCPU, torch::kFloat32) /
+  // The next character from the logits (V) of the last position.
+  auto pick = [&](const torch::Tensor& last_logits) {
+    auto logits = last_logits.to(torch::kCPU, torch::kFloat32) /
                   options.temperature();  // (V)
     if (options.top_k() > 0 && options.top_k() < V) {
       auto kth = std::get<0>(logits.topk(options.top_k())).select(0, -1);
@@ -473,9 +527,32 @@ torch::Tensor generate(CharLM& model, const torch::Tensor& prompt,
                                   -std::numeric_limits<float>::infinity());
     }
     auto probs = torch::softmax(logits, /*dim=*/0);  // (V)
-    auto next = torch::multinomial(probs, /*num_samples=*/1,
-                                   /*replacement=*/false, generator);  // (1)
+    return torch::multinomial(probs, /*num_samples=*/1,
+                              /*replacement=*/false, generator);  // (1)
+  };
+
+  auto ids = prompt.to(torch::kCPU, torch::kInt64);  // (T0 + generated)
+  const int64_t total = ids.size(0) + max_new_tokens;
+  std::vector<KVCache> caches;
+  // The cache serves while the whole text fits the context.
+  const bool cached =
+      use_kv_cache && max_new_tokens > 0 && total - 1 <= context_limit;
+  if (cached) {
+    caches = model->make_kv_caches(/*batch_size=*/1, total - 1);
+  }
+  torch::Tensor pending = ids;  // characters not yet fed through the caches
+  for (int64_t i = 0; i < max_new_tokens; ++i) {
+    torch::Tensor logits;  // (1, T, V)
+    if (cached) {
+      logits = model->forward_cached(pending.unsqueeze(0).to(device), caches);
+    } else {
+      const int64_t T = std::min(ids.size(0), context_limit);
+      auto context = ids.narrow(0, ids.size(0) - T, T).unsqueeze(0);  // (1,T)
+      logits = model(context.to(device));
+    }
+    auto next = pick(logits.select(1, logits.size(1) - 1).squeeze(0));
     ids = torch::cat({ids, next});
+    pending = next;
   }
   model->train(was_training);
   return ids;
@@ -950,7 +1027,7 @@ std::string CharLMTask::fingerprint() const {
   return printf_string(
       "task=charlm text_chars=%lld val_chars=%lld text_fnv1a=%016llx "
       "block_size=%lld n_embd=%lld n_head=%lld n_layer=%lld dropout=%s "
-      "batch_size=%lld seed=%llu",
+      "positions=%s batch_size=%lld seed=%llu",
       static_cast<long long>(corpus_.train.size(0) + corpus_.val.size(0)),
       static_cast<long long>(corpus_.val.size(0)),
       static_cast<unsigned long long>(fnv1a(
@@ -958,7 +1035,7 @@ std::string CharLMTask::fingerprint() const {
       static_cast<long long>(m.block_size()),
       static_cast<long long>(m.n_embd()), static_cast<long long>(m.n_head()),
       static_cast<long long>(m.n_layer()), exact_decimal(m.dropout()).c_str(),
-      static_cast<long long>(batch_size_),
+      m.rotary() ? "rotary" : "learned", static_cast<long long>(batch_size_),
       static_cast<unsigned long long>(seed_));
 }
 
@@ -967,7 +1044,8 @@ double CharLMTask::unigram_baseline() const {
 }
 
 std::string CharLMTask::sample(const std::string& prompt, int64_t length,
-                               const SamplingOptions& options) {
+                               const SamplingOptions& options,
+                               bool use_kv_cache) {
   std::string known;
   for (const char c : prompt) {
     if (corpus_.vocab.chars().find(c) != std::string::npos) {
@@ -976,7 +1054,8 @@ std::string CharLMTask::sample(const std::string& prompt, int64_t length,
   }
   auto prompt_ids = known.empty() ? corpus_.val.narrow(0, 0, 1)
                                   : corpus_.vocab.encode(known);  // (T0)
-  return corpus_.vocab.decode(generate(model_, prompt_ids, length, options));
+  return corpus_.vocab.decode(
+      generate(model_, prompt_ids, length, options, use_kv_cache));
 }
 
 namespace {

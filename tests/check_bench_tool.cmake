@@ -119,6 +119,19 @@ if(NOT differ EQUAL 0 OR NOT exit_code EQUAL 0)
   message(FATAL_ERROR "summary: results_differ ${differ}, exit_code ${exit_code}")
 endif()
 
+# The variants' tables: --quick's two window lengths, and generation through
+# the KV cache giving the recomputed characters.
+string(JSON window_rows LENGTH "${json}" window)
+string(JSON window_ms GET "${json}" window 1 windowed_ms)
+string(JSON identical GET "${json}" generation identical)
+string(JSON cached_s GET "${json}" generation cached_s)
+if(NOT window_rows EQUAL 2 OR NOT window_ms GREATER 0 OR NOT identical
+   OR NOT cached_s GREATER 0)
+  message(FATAL_ERROR "variants: ${window_rows} window rows (${window_ms} ms), "
+          "generation identical ${identical}, ${cached_s} s")
+endif()
+expect_exit(2 --variants no-such-table)
+
 # Peak memory from a child process per measurement (the fallback).
 expect_exit(0 --quick --memory fork --config 1,32,16,2 --mode inference
             --gemm-size 32 --json ${WORK_DIR}/fork.json)

@@ -107,10 +107,26 @@ run_tool(0 --task charlm --text ${WORK_DIR}/cats.txt --context 32 --d-model 32
          --plot-attention maps --plot-length 12)
 if(NOT last_out MATCHES "unigram baseline [0-9.]+ nats/char"
    OR NOT last_out MATCHES "validation loss [0-9.]+ nats/char"
-   OR NOT last_out MATCHES "sample \\(temperature 0.8, top-k 10\\):\nthe "
+   OR NOT last_out MATCHES "sample \\(temperature 0.8, top-k 10; 30 characters in [0-9.]+ s, KV cache\\):\nthe "
    OR NOT last_out MATCHES "attention maps \\(1 layers x 2 heads, 12 validation characters\\): maps/layer0.svg")
   message(FATAL_ERROR "charlm output lacks the baseline, loss, sample or maps:\n${last_out}")
 endif()
+# The same run sampling without the KV caches writes the same sample.
+string(REGEX MATCH "KV cache\\):\n[^\n]*" cached_sample "${last_out}")
+run_tool(0 --task charlm --text ${WORK_DIR}/cats.txt --context 32 --d-model 32
+         --heads 2 --layers 1 --batch-size 8 --steps 20 --warmup 2
+         --sample-len 30 --prompt "the " --out charlm-recomputed --quiet
+         --no-kv-cache)
+string(REGEX MATCH "recomputed every step\\):\n[^\n]*" recomputed_sample
+       "${last_out}")
+string(REPLACE "KV cache):" "" cached_sample "${cached_sample}")
+string(REPLACE "recomputed every step):" "" recomputed_sample
+       "${recomputed_sample}")
+if(cached_sample STREQUAL "" OR NOT cached_sample STREQUAL recomputed_sample)
+  message(FATAL_ERROR "--no-kv-cache sampled '${recomputed_sample}', the KV "
+                      "cache '${cached_sample}'")
+endif()
+run_tool(2 --task charlm --text ${WORK_DIR}/cats.txt --positions absolute)
 file(READ ${WORK_DIR}/maps/layer0.svg svg)
 string(REGEX MATCHALL "class=\"cell masked\"" masked "${svg}")
 list(LENGTH masked masked_count)

@@ -211,7 +211,8 @@ TEST(TrainModelTest, CharLMTiesItsHeadAndIsCausal) {
                        .n_embd(16)
                        .n_head(2)
                        .n_layer(2)
-                       .dropout(0.0));
+                       .dropout(0.0)
+                       .rotary(false));
   std::set<std::string> keys;
   for (const auto& item : lm->named_parameters()) {
     keys.insert(item.key());
@@ -249,7 +250,8 @@ TEST(TrainModelTest, CharLMAttentionWeightsMatchAHandComputation) {
                        .n_embd(E)
                        .n_head(H)
                        .n_layer(2)
-                       .dropout(0.1));
+                       .dropout(0.1)
+                       .rotary(false));
   auto idx = torch::randint(9, {3, T});
   auto weights = lm->attention_weights(idx);
   ASSERT_EQ(weights.size(), 2u);
@@ -273,6 +275,93 @@ TEST(TrainModelTest, CharLMAttentionWeightsMatchAHandComputation) {
   EXPECT_EQ(weights[1].masked_select(future).abs().max().item<float>(), 0.0f);
   EXPECT_THROW_MSG(lm->attention_weights(torch::randint(9, {1, 9})),
                    "T <= block_size = 8, but got [1, 9]");
+}
+
+// The default (rotary) CharLM: no wpe, any length, each block sees the
+// last block_size positions (two blocks of window 4: position t depends on
+// characters t - 6..t only), and decoding through KV caches gives the
+// logits of the full forward.
+TEST(TrainModelTest, RotaryCharLMHasAWindowAndDecodesThroughCaches) {
+  torch::manual_seed(0);
+  train::CharLM lm(train::CharLMOptions(/*vocab_size=*/11, /*block_size=*/4)
+                       .n_embd(16)
+                       .n_head(2)
+                       .n_layer(2)
+                       .dropout(0.0));
+  for (const auto& item : lm->named_parameters()) {
+    EXPECT_EQ(item.key().find("wpe"), std::string::npos) << item.key();
+  }
+  lm->eval();
+  torch::NoGradGuard no_grad;
+  auto idx = torch::randint(11, {2, 12});
+  auto logits = lm(idx);  // T = 12 > block_size
+  ASSERT_EQ(logits.sizes(), (std::vector<int64_t>{2, 12, 11}));
+  auto changed = idx.clone();
+  changed.select(1, 0).copy_(idx.select(1, 0).add(1).remainder(11));
+  auto logits2 = lm(changed);
+  EXPECT_FALSE(torch::allclose(logits2.narrow(1, 6, 1),
+                               logits.narrow(1, 6, 1)));  // 6 - 0 < 2 * 3 + 1
+  expect_close(logits2.narrow(1, 7, 5), logits.narrow(1, 7, 5), 1e-6, 0.0,
+               "beyond the two windows");
+
+  for (bool rotary : {true, false}) {
+    SCOPED_TRACE(rotary ? "rotary" : "learned");
+    torch::manual_seed(1);
+    train::CharLM model(train::CharLMOptions(11, 12)
+                            .n_embd(16)
+                            .n_head(2)
+                            .n_layer(2)
+                            .rotary(rotary)
+                            .dropout(0.0));
+    model->eval();
+    auto caches = model->make_kv_caches(2, 12);
+    ASSERT_EQ(caches.size(), 2u);
+    auto full = model(idx);
+    int64_t done = 0;
+    for (int64_t step : {5, 1, 1, 3, 2}) {
+      auto part = model->forward_cached(idx.narrow(1, done, step), caches);
+      expect_close(part, full.narrow(1, done, step), 2e-5, 2e-5,
+                   "logits at " + std::to_string(done));
+      done += step;
+    }
+    EXPECT_THROW_MSG(model->forward_cached(idx.narrow(1, 0, 1), caches),
+                     rotary ? "cache has room for 0 more positions"
+                            : "T <= block_size = 0 (after the cached");
+  }
+  auto one_cache = lm->make_kv_caches(2, 4);
+  one_cache.pop_back();
+  EXPECT_THROW_MSG(lm->forward_cached(idx.narrow(1, 0, 1), one_cache),
+                   "one KVCache per block (2), but got 1");
+}
+
+// The case: mha-train's default char LM (CharLMOptions' defaults),
+// 256 characters after a 256-character prompt, greedy: identical with and
+// without the KV caches; and sampled with a seed, for both position kinds.
+TEST(TrainModelTest, GenerateWithCacheEqualsRecomputation) {
+  torch::manual_seed(0);
+  train::CharLM lm(train::CharLMOptions(/*vocab_size=*/65, /*block_size=*/64));
+  auto prompt = torch::randint(65, {256});
+  auto greedy = train::SamplingOptions().top_k(1);
+  auto cached = train::generate(lm, prompt, 256, greedy, true);
+  auto recomputed = train::generate(lm, prompt, 256, greedy, false);
+  ASSERT_EQ(cached.size(0), 512);
+  EXPECT_TRUE(torch::equal(cached, recomputed));
+  EXPECT_TRUE(torch::equal(cached.narrow(0, 0, 256), prompt));
+
+  for (bool rotary : {true, false}) {
+    train::CharLM small(
+        train::CharLMOptions(13, 16).n_embd(16).n_head(2).n_layer(2).rotary(
+            rotary));
+    auto p = torch::randint(13, {5});
+    auto options = train::SamplingOptions().temperature(1.0).seed(3);
+    // 11 new characters fit block_size 16; 30 do not (learned positions
+    // then recompute their cropped context).
+    for (int64_t n : {11, 30}) {
+      EXPECT_TRUE(torch::equal(train::generate(small, p, n, options, true),
+                               train::generate(small, p, n, options, false)))
+          << (rotary ? "rotary, " : "learned, ") << n << " new characters";
+    }
+  }
 }
 
 TEST(TrainModelTest, GenerateIsSeededAndTopOneIsGreedy) {

@@ -728,4 +728,70 @@ Gemm measure_gemm(int64_t n, int reps, const Settings& settings) {
   return g;
 }
 
+std::vector<WindowRow> measure_window(const std::vector<int64_t>& lengths,
+                                      int64_t window, int64_t embed_dim,
+                                      int64_t num_heads, int reps,
+                                      const Settings& settings) {
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(settings.seed);
+  const auto options =
+      torch::TensorOptions().dtype(settings.dtype).device(settings.device);
+  MultiHeadAttention full(MultiHeadAttentionOptions(embed_dim, num_heads));
+  MultiHeadAttention windowed(
+      MultiHeadAttentionOptions(embed_dim, num_heads).window(window));
+  for (auto* m : {&full, &windowed}) {
+    (*m)->to(settings.device, settings.dtype);
+    (*m)->eval();
+  }
+  std::vector<WindowRow> rows;
+  for (const auto length : lengths) {
+    auto x = torch::randn({1, length, embed_dim}, options);
+    auto run_with = [&](MultiHeadAttention& m) -> Run {
+      return [&m, &x] {
+        return Named{{"output", std::get<0>(m->forward(x, {}, {}, {}, false, {},
+                                                       true, true))}};
+      };
+    };
+    const auto run_windowed = run_with(windowed), run_full = run_with(full);
+    time_once(run_windowed, settings.device);
+    time_once(run_full, settings.device);
+    std::vector<double> w, f;
+    for (int i = 0; i < reps; ++i) {
+      w.push_back(time_once(run_windowed, settings.device));
+      f.push_back(time_once(run_full, settings.device));
+    }
+    rows.push_back({length, window, median_of(w), median_of(f)});
+  }
+  return rows;
+}
+
+Generation measure_generation(int64_t prompt, int64_t new_tokens, int reps,
+                              uint64_t seed) {
+  torch::manual_seed(seed);
+  train::CharLM lm(train::CharLMOptions(/*vocab_size=*/65, /*block_size=*/64));
+  auto prompt_ids = torch::randint(65, {prompt});
+  const auto greedy = train::SamplingOptions().top_k(1);
+  Generation g;
+  g.prompt = prompt;
+  g.new_tokens = new_tokens;
+  g.reps = reps;
+  std::vector<double> cached, recomputed;
+  torch::Tensor cached_ids, recomputed_ids;
+  auto seconds = [&](bool use_cache, torch::Tensor& ids) {
+    const auto start = std::chrono::steady_clock::now();
+    ids = train::generate(lm, prompt_ids, new_tokens, greedy, use_cache);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                         start)
+        .count();
+  };
+  for (int i = 0; i < reps; ++i) {
+    cached.push_back(seconds(true, cached_ids));
+    recomputed.push_back(seconds(false, recomputed_ids));
+  }
+  g.cached_s = median_of(cached);
+  g.recomputed_s = median_of(recomputed);
+  g.identical = torch::equal(cached_ids, recomputed_ids);
+  return g;
+}
+
 }  // namespace mha::bench

@@ -174,6 +174,37 @@ struct Gemm {
 };
 Gemm measure_gemm(int64_t n, int reps, const Settings& settings);
 
+/// One length of the sliding-window rows: MultiHeadAttention (E, H) causal
+/// self-attention under NoGradGuard, N = 1, with the `window` option and
+/// without it, timed alternately (median ms of `reps` runs each).
+struct WindowRow {
+  int64_t length = 0;  ///< L
+  int64_t window = 0;
+  double windowed_ms = 0;
+  double full_ms = 0;
+};
+/// The rows for each length in `lengths` (settings: device, dtype, seed).
+std::vector<WindowRow> measure_window(const std::vector<int64_t>& lengths,
+                                      int64_t window, int64_t embed_dim,
+                                      int64_t num_heads, int reps,
+                                      const Settings& settings);
+
+/// Generation with mha-train's default char LM (CharLMOptions(65, 64):
+/// rotary, window 64; random weights, seeded): `new_tokens` greedy
+/// characters after a random `prompt`-character prompt, through the KV
+/// caches and by recomputing every step, timed alternately on the CPU in
+/// float32 (median s of `reps` runs each).
+struct Generation {
+  int64_t prompt = 0;
+  int64_t new_tokens = 0;
+  int reps = 0;
+  double cached_s = 0;
+  double recomputed_s = 0;
+  bool identical = false;  ///< the same characters both ways
+};
+Generation measure_generation(int64_t prompt, int64_t new_tokens, int reps,
+                              uint64_t seed);
+
 /// True when `e` says an allocation failed (CPU or CUDA).
 bool is_out_of_memory(const std::exception& e);
 

@@ -255,6 +255,16 @@ int main(int argc, char** argv) {
                  "peak memory: auto (clear_refs if writable, else fork), "
                  "clear_refs (in process) or fork (a child per measurement)")
       ->check(CLI::IsMember({"auto", "clear_refs", "fork"}));
+  std::vector<std::string> variant_texts;
+  app.add_option("--variants", variant_texts,
+                 "tables after the comparison (repeatable or "
+                 "comma-separated): window (causal cost with and without a "
+                 "256-key sliding window, L = 1024..8192), generation "
+                 "(mha-train's default char LM, 256 characters after a "
+                 "256-character prompt, KV cache vs recomputation), none; "
+                 "default: both")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"window", "generation", "none"}));
   app.add_option("--memory-child", memory_child_spec)->group("");
   app.add_flag("--plant-fault", plant_fault,
                "self-test: shift one bias of mha's copy (checks FAIL)")
@@ -466,6 +476,68 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The attention variants' tables: not comparisons with torch::nn.
+  auto wants = [&](const char* variant) {
+    return variant_texts.empty()
+               ? true
+               : std::find(variant_texts.begin(), variant_texts.end(),
+                           variant) != variant_texts.end();
+  };
+  nlohmann::json window_json = nullptr, generation_json = nullptr;
+  bool generation_differs = false;
+  if (wants("window")) {
+    const std::vector<int64_t> lengths =
+        quick ? std::vector<int64_t>{128, 256}
+              : std::vector<int64_t>{1024, 2048, 4096, 8192};
+    const int64_t window = quick ? 32 : 256;
+    const int window_reps = quick ? 2 : 5;
+    fmt::print(
+        "\nsliding window: MultiHeadAttention({}, {}) causal, N = 1, "
+        "inference, window {} vs none; median of {} runs each\n",
+        quick ? 32 : 256, quick ? 2 : 4, window, window_reps);
+    fmt::print("{:>6} {:>12} {:>14} {:>12} {:>14} {:>7}\n", "L", "window ms",
+               "window us/tok", "full ms", "full us/tok", "ratio");
+    window_json = nlohmann::json::array();
+    for (const auto& r :
+         mha::bench::measure_window(lengths, window, quick ? 32 : 256,
+                                    quick ? 2 : 4, window_reps, settings)) {
+      const double per_token = 1e3 / static_cast<double>(r.length);
+      fmt::print("{:>6} {:>12.2f} {:>14.2f} {:>12.2f} {:>14.2f} {:>7.2f}\n",
+                 r.length, r.windowed_ms, r.windowed_ms * per_token, r.full_ms,
+                 r.full_ms * per_token, r.windowed_ms / r.full_ms);
+      window_json.push_back({{"L", r.length},
+                             {"window", r.window},
+                             {"windowed_ms", r.windowed_ms},
+                             {"full_ms", r.full_ms}});
+    }
+    std::fflush(stdout);
+  }
+  if (wants("generation") && !cuda) {
+    const int64_t prompt = quick ? 32 : 256, new_tokens = quick ? 32 : 256;
+    const int generation_reps = quick ? 1 : 3;
+    const auto g = mha::bench::measure_generation(prompt, new_tokens,
+                                                  generation_reps, seed);
+    generation_differs = !g.identical;
+    fmt::print(
+        "\ngeneration: mha-train's default char LM (random weights), {} "
+        "greedy characters after a {}-character prompt, median of {} runs\n"
+        "  KV cache: {:.3f} s ({:.0f} tokens/s); recomputed every step: "
+        "{:.3f} s ({:.0f} tokens/s); speedup {:.1f}x; same characters: "
+        "{}\n",
+        new_tokens, prompt, generation_reps, g.cached_s,
+        static_cast<double>(new_tokens) / g.cached_s, g.recomputed_s,
+        static_cast<double>(new_tokens) / g.recomputed_s,
+        g.recomputed_s / g.cached_s, g.identical ? "yes" : "NO");
+    generation_json = {{"prompt", g.prompt},
+                       {"new_tokens", g.new_tokens},
+                       {"reps", g.reps},
+                       {"cached_s", g.cached_s},
+                       {"recomputed_s", g.recomputed_s},
+                       {"speedup", g.recomputed_s / g.cached_s},
+                       {"identical", g.identical}};
+    std::fflush(stdout);
+  }
+
   // Footer: how to read the table, and the summary.
   int wrong = 0, errors = 0, oom = 0, faster = 0, compared = 0;
   std::map<std::string, std::vector<double>> ratios;  // by mode
@@ -512,12 +584,14 @@ int main(int argc, char** argv) {
       "{} rows; results differ: {}; errors: {}; out of memory: {}; "
       "{:.1f} s\n",
       rows.size(), wrong, errors, oom, elapsed_s);
-  const int exit_code = wrong > 0 || errors > 0 ? 1 : 0;
+  const int exit_code = wrong > 0 || errors > 0 || generation_differs ? 1 : 0;
   if (exit_code != 0) {
     fmt::print("FAILED: {}\n",
                wrong > 0 ? "mha's results differ from torch::nn's (rows "
                            "marked FAIL were not timed)"
-                         : "a contender threw an error");
+               : errors > 0
+                   ? "a contender threw an error"
+                   : "generation through the KV cache gave other characters");
   }
 
   if (!json_path.empty()) {
@@ -560,6 +634,8 @@ int main(int argc, char** argv) {
                        {"memory_description", memory_text},
                        {"modes", mode_docs}};
     doc["rows"] = json_rows;
+    doc["window"] = window_json;
+    doc["generation"] = generation_json;
     doc["summary"] = {
         {"rows", rows.size()},
         {"results_differ", wrong},

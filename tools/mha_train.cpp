@@ -213,6 +213,15 @@ int main(int argc, char** argv) {
   app.add_option("--top-k", top_k,
                  "charlm: sample among the k likeliest, 0 = all")
       ->capture_default_str();
+  std::string positions = "rotary";
+  app.add_option("--positions", positions,
+                 "charlm: rotary (RoPE, a sliding window of --context "
+                 "positions, any length) or learned (nanoGPT's wpe)")
+      ->check(CLI::IsMember({"rotary", "learned"}))
+      ->capture_default_str();
+  bool no_kv_cache = false;
+  app.add_flag("--no-kv-cache", no_kv_cache,
+               "charlm: sample by recomputing the context every step");
   app.add_option("--prompt", prompt,
                  "charlm: text the sample continues (default: the first "
                  "validation character)");
@@ -504,7 +513,8 @@ int main(int argc, char** argv) {
               .n_embd(d_model.value_or(d.d_model))
               .n_head(heads.value_or(d.heads))
               .n_layer(layers.value_or(d.layers))
-              .dropout(dropout.value_or(d.dropout));
+              .dropout(dropout.value_or(d.dropout))
+              .rotary(positions == "rotary");
       auto owned = std::make_unique<train::CharLMTask>(
           std::move(corpus), model_options, n_batch, seed, device);
       char_task = owned.get();
@@ -640,13 +650,19 @@ int main(int argc, char** argv) {
             .top_k(top_k)
             .seed(train::derive_seed(seed, 0, train::SeedStream::kSampling));
     std::string sample;
+    const auto sample_start = std::chrono::steady_clock::now();
     try {
-      sample = char_task->sample(prompt, sample_len, sampling);
+      sample = char_task->sample(prompt, sample_len, sampling, !no_kv_cache);
     } catch (const c10::Error& e) {
       return usage_error(e.what_without_backtrace());
     }
-    fmt::print("sample (temperature {:g}, top-k {}):\n{}\n", temperature, top_k,
-               sample);
+    const std::chrono::duration<double> sample_time =
+        std::chrono::steady_clock::now() - sample_start;
+    fmt::print(
+        "sample (temperature {:g}, top-k {}; {} characters in {:.2f} s, {}):"
+        "\n{}\n",
+        temperature, top_k, sample_len, sample_time.count(),
+        no_kv_cache ? "recomputed every step" : "KV cache", sample);
     if (!plot_dir.empty()) {
       try {
         const auto paths = char_task->plot_attention(plot_dir, n_plot);

@@ -242,6 +242,13 @@ struct CharLMOptions {
   /// Dropout on embeddings, attention weights and residual branches
   /// (training mode only).
   TORCH_ARG(double, dropout) = 0.1;
+  /// true (default): positions by rotary embedding of every block's queries
+  /// and keys (MultiHeadAttentionOptions::rotary) and each block attending
+  /// to a sliding window of the last block_size positions (window), no wpe:
+  /// the model reads sequences of any length, and generate() decodes through
+  /// a KV cache with the same result as recomputing every step. false:
+  /// nanoGPT's learned position embedding wpe, T <= block_size.
+  TORCH_ARG(bool, rotary) = true;
 };
 
 /// One pre-norm block of a GPT (Radford et al. 2019; nanoGPT's Block):
@@ -252,8 +259,13 @@ struct CharLMOptions {
 class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
  public:
   explicit GPTBlockImpl(const CharLMOptions& options_);
-  /// x (N, T, E) → (N, T, E); position t sees positions <= t only.
+  /// x (N, T, E) → (N, T, E); position t sees positions <= t only (and
+  /// > t - block_size when rotary).
   torch::Tensor forward(const torch::Tensor& x);
+  /// forward for the next T positions of sequences whose earlier positions
+  /// are in `cache` (MultiHeadAttention::forward_cached): x (N, T, E) →
+  /// (N, T, E), the same rows forward(all positions) gives.
+  torch::Tensor forward_cached(const torch::Tensor& x, KVCache& cache);
   /// forward(x) and the attention weights of every head, (N, H, T, T)
   /// (row t: how position t weighs positions 0..T-1; 0 right of t).
   std::tuple<torch::Tensor, torch::Tensor> forward_with_weights(
@@ -283,7 +295,8 @@ TORCH_MODULE(GPTBlock);
 /// embedding matrix (weight tying: logits = x · wte.weightᵀ, so there is no
 /// separate head parameter).
 ///
-/// Parameters (state-dict names): wte.weight (V, E), wpe.weight (T, E),
+/// Parameters (state-dict names): wte.weight (V, E), wpe.weight (T, E) when
+/// !rotary,
 /// h.<i>.{ln_1,attn,ln_2,c_fc,c_proj}.*, ln_f.{weight,bias}. Initialised as
 /// nanoGPT: embeddings, attn.in_proj_weight and c_fc.weight N(0, 0.02); the
 /// projections back into the residual stream (attn.out_proj.weight,
@@ -297,10 +310,23 @@ class CharLMImpl : public torch::nn::Cloneable<CharLMImpl> {
  public:
   explicit CharLMImpl(const CharLMOptions& options_);
 
-  /// idx (N, T) int64 ids in [0, V), T <= block_size. Returns logits
-  /// (N, T, V), float32: position t predicts character t + 1 from
-  /// characters 0..t. Throws c10::Error if T > block_size.
+  /// idx (N, T) int64 ids in [0, V), T <= block_size unless rotary.
+  /// Returns logits (N, T, V), float32: position t predicts character t + 1
+  /// from characters 0..t. Throws c10::Error if !rotary and T > block_size.
   torch::Tensor forward(const torch::Tensor& idx);
+
+  /// One KVCache per block for batch_size sequences of up to `capacity`
+  /// characters (capacity <= block_size unless rotary).
+  std::vector<KVCache> make_kv_caches(int64_t batch_size,
+                                      int64_t capacity) const;
+
+  /// forward for the next T characters idx (N, T) of sequences whose
+  /// earlier characters are in `caches` (make_kv_caches; appended to):
+  /// logits (N, T, V) equal to the last T rows of forward(all characters),
+  /// within float rounding. Throws c10::Error for a wrong number of caches,
+  /// no room left, or (!rotary) positions beyond block_size.
+  torch::Tensor forward_cached(const torch::Tensor& idx,
+                               std::vector<KVCache>& caches);
 
   /// The attention weights of every block for idx (N, T) as in forward:
   /// one (N, H, T, T) float32 tensor per block, in order (row t of head h
@@ -335,12 +361,19 @@ struct SamplingOptions {
 };
 
 /// Extends `prompt` ((T0) int64 ids, T0 >= 1) by `max_new_tokens` sampled
-/// characters, feeding the model at most its block_size last characters.
-/// Runs in eval mode without gradients and restores the model's mode.
-/// Returns (T0 + max_new_tokens) int64 ids on the CPU.
+/// characters. A rotary model reads the whole sequence (its window limits
+/// each block); a model with learned positions at most its block_size last
+/// characters. With use_kv_cache (default) each step feeds only the new
+/// character through KV caches (make_kv_caches); without, and for a
+/// learned-position model whose prompt and new characters outgrow
+/// block_size, every step recomputes the whole context. Both give the same
+/// characters (up to float rounding at near ties). Runs in eval mode without
+/// gradients and restores the model's mode. Returns (T0 + max_new_tokens) int64
+/// ids on the CPU.
 torch::Tensor generate(CharLM& model, const torch::Tensor& prompt,
                        int64_t max_new_tokens,
-                       const SamplingOptions& options = {});
+                       const SamplingOptions& options = {},
+                       bool use_kv_cache = true);
 
 // ------------------------------------------------------- optimisation ---
 
@@ -539,7 +572,7 @@ class CharLMTask : public TrainTask {
   /// vocabulary are dropped; an empty prompt starts from the first character
   /// of the validation text). Returns the prompt followed by the sample.
   std::string sample(const std::string& prompt, int64_t length,
-                     const SamplingOptions& options);
+                     const SamplingOptions& options, bool use_kv_cache = true);
 
   /// Writes `dir`/layer<l>.svg for every block l: one heatmap panel per
   /// head ("layer l, head h") of the attention weights over the first
