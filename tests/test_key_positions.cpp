@@ -347,9 +347,9 @@ torch::Tensor module_by_hand(mha::MultiHeadAttentionImpl& m,
 }
 
 // window, ALiBi and T5's relative bias in the module, alone and together,
-// causal or not: outputs and the gradients of the input and of every
-// parameter (the T5 table included) equal the hand-built module with the
-// dense (H, L, L) bias and banded mask.
+// causal or not, with a key padding mask: outputs and the gradients of the
+// input and of every parameter (the T5 table included) equal the hand-built
+// module with the dense (H, L, L) bias and banded mask.
 TEST_F(KeyPositionsTest, ModuleOptionsMatchDenseReference) {
   const int64_t N = 2, L = 11, E = 16, H = 4;
   for (auto kind : {mha::PositionBias::kNone, mha::PositionBias::kAlibi,
@@ -394,8 +394,13 @@ TEST_F(KeyPositionsTest, ModuleOptionsMatchDenseReference) {
           }
           dense = dense + torch::stack(rows, 1);  // (H, L, L)
         }
+        // Batch 1's last two keys padded: the masks combine with the rules.
+        auto padding = torch::zeros({N, L}, torch::kBool);
+        padding[1].narrow(0, L - 2, 2).fill_(true);
+        auto padding_bias = torch::zeros({N, 1, 1, L}, torch::kFloat64)
+                                .masked_fill(padding.view({N, 1, 1, L}), -kInf);
         auto xr = x.clone().requires_grad_();
-        auto ref = module_by_hand(*m, xr, dense.unsqueeze(0));
+        auto ref = module_by_hand(*m, xr, dense.unsqueeze(0) + padding_bias);
         (ref * g).sum().backward();
         std::vector<torch::Tensor> ref_grads;
         for (const auto& p : m->parameters()) {
@@ -404,7 +409,7 @@ TEST_F(KeyPositionsTest, ModuleOptionsMatchDenseReference) {
         }
         auto xg = x.clone().requires_grad_();
         auto out = std::get<0>(m->forward(
-            xg, {}, {}, {}, /*need_weights=*/false, {}, true, causal));
+            xg, {}, {}, padding, /*need_weights=*/false, {}, true, causal));
         (out * g).sum().backward();
         expect_close(out, ref, 1e-12, 1e-12, "output");
         expect_close(xg.grad(), xr.grad(), 1e-12, 1e-12, "input grad");
