@@ -445,6 +445,39 @@ detail::KeyPositions key_positions(const MultiHeadAttentionImpl& m, int64_t L,
   return positions;
 }
 
+/// The attention step of forward and forward_cached on the heads q
+/// (N, H, L, D), k and v (N, Hkv, S', D): the core, out_proj, and the
+/// caller's layout. Returns (output (N, L, E) as the input's layout,
+/// weights (N, L, S') averaged, (N, H, L, S') per head, or undefined;
+/// without N when unbatched).
+std::tuple<torch::Tensor, torch::Tensor> attend_and_project(
+    MultiHeadAttentionImpl& m, const torch::Tensor& q, const torch::Tensor& k,
+    const torch::Tensor& v, const torch::Tensor& mask,
+    const detail::KeyPositions& positions, bool batched, bool need_weights,
+    bool average_attn_weights) {
+  const double p_drop = m.is_training() ? m.options.dropout() : 0.0;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(m.head_dim));
+  const auto weights_mode = !need_weights ? detail::WeightsMode::kNone
+                            : average_attn_weights
+                                ? detail::WeightsMode::kAverage
+                                : detail::WeightsMode::kPerHead;
+  auto result = detail::attention_core(q, k, v, mask, positions, p_drop, scale,
+                                       weights_mode);
+  // (N, H, L, D) → (N, L, E) → out_proj
+  auto output = detail::project(merge_heads(result.output), m.out_proj->weight,
+                                m.out_proj->bias);  // (N, L, E)
+  auto weights = result.weights;
+  if (!batched) {
+    output = output.squeeze(0);  // (L, E)
+    if (weights.defined()) {
+      weights = weights.squeeze(0);  // (L, S') or (H, L, S')
+    }
+  } else if (!m.options.batch_first()) {
+    output = output.transpose(0, 1);  // (L, N, E)
+  }
+  return {output, weights};
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
@@ -507,33 +540,13 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     mask = torch::constant_pad_nd(mask, {0, extra}, 0.0);  // (..., S')
   }
 
-  const double p_drop = is_training() ? options.dropout() : 0.0;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  const auto weights_mode = !need_weights ? detail::WeightsMode::kNone
-                            : average_attn_weights
-                                ? detail::WeightsMode::kAverage
-                                : detail::WeightsMode::kPerHead;
   // The extra key positions and the position rules exclude each other
   // (reset), so the causal block goes to the core here only without them.
   const auto positions =
       key_positions(*this, L, S, /*diagonal=*/0, is_causal && !extra_keys,
                     in.query.options());
-  auto result = detail::attention_core(q, k, v, mask, positions, p_drop, scale,
-                                       weights_mode);
-  // (N, H, L, D) → (N, L, E) → out_proj
-  auto output = detail::project(merge_heads(result.output), out_proj->weight,
-                                out_proj->bias);  // (N, L, E)
-  // (N, L, S') averaged over heads, or (N, H, L, S'), or undefined
-  auto weights = result.weights;
-  if (!in.batched) {
-    output = output.squeeze(0);  // (L, E)
-    if (weights.defined()) {
-      weights = weights.squeeze(0);  // (L, S') or (H, L, S')
-    }
-  } else if (!options.batch_first()) {
-    output = output.transpose(0, 1);  // (L, N, E)
-  }
-  return {output, weights};
+  return attend_and_project(*this, q, k, v, mask, positions, in.batched,
+                            need_weights, average_attn_weights);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
@@ -587,29 +600,10 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
     k_all = torch::cat({k_all.narrow(2, 0, P), k}, 2);
     v_all = torch::cat({v_all.narrow(2, 0, P), v}, 2);
   }
-  const int64_t S = P + T;
-  const double p_drop = is_training() ? options.dropout() : 0.0;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  const auto weights_mode = !need_weights ? detail::WeightsMode::kNone
-                            : average_attn_weights
-                                ? detail::WeightsMode::kAverage
-                                : detail::WeightsMode::kPerHead;
-  const auto positions =
-      key_positions(*this, T, S, /*diagonal=*/P, is_causal, in.query.options());
-  auto result = detail::attention_core(q, k_all, v_all, torch::Tensor(),
-                                       positions, p_drop, scale, weights_mode);
-  auto output = detail::project(merge_heads(result.output), out_proj->weight,
-                                out_proj->bias);  // (N, T, E)
-  auto weights = result.weights;
-  if (!in.batched) {
-    output = output.squeeze(0);  // (T, E)
-    if (weights.defined()) {
-      weights = weights.squeeze(0);
-    }
-  } else if (!options.batch_first()) {
-    output = output.transpose(0, 1);  // (T, N, E)
-  }
-  return {output, weights};
+  const auto positions = key_positions(*this, T, P + T, /*diagonal=*/P,
+                                       is_causal, in.query.options());
+  return attend_and_project(*this, q, k_all, v_all, torch::Tensor(), positions,
+                            in.batched, need_weights, average_attn_weights);
 }
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch_size,
