@@ -445,6 +445,18 @@ detail::KeyPositions key_positions(const MultiHeadAttentionImpl& m, int64_t L,
   return positions;
 }
 
+/// With the rotary option, q and k (N, heads, T, D) rotated in place of the
+/// originals, row t at position offset + t; otherwise unchanged.
+void rotate_heads(const MultiHeadAttentionImpl& m, torch::Tensor& q,
+                  torch::Tensor& k, int64_t offset) {
+  if (m.options.rotary()) {
+    q = rotary_embedding(q, offset, m.options.rotary_theta(),
+                         m.options.rotary_pairing());
+    k = rotary_embedding(k, offset, m.options.rotary_theta(),
+                         m.options.rotary_pairing());
+  }
+}
+
 /// The attention step of forward and forward_cached on the heads q
 /// (N, H, L, D), k and v (N, Hkv, S', D): the core, out_proj, and the
 /// caller's layout. Returns (output (N, L, E) as the input's layout,
@@ -523,12 +535,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   auto q = split_heads(p.q, H);    // (N, H, L, D)
   auto k = split_heads(p.k, Hkv);  // (N, Hkv, S', D)
   auto v = split_heads(p.v, Hkv);  // (N, Hkv, S', D)
-  if (options.rotary()) {          // query row i at position i, key row j at j
-    q = rotary_embedding(q, 0, options.rotary_theta(),
-                         options.rotary_pairing());
-    k = rotary_embedding(k, 0, options.rotary_theta(),
-                         options.rotary_pairing());
-  }
+  rotate_heads(*this, q, k, 0);    // query row i at position i, key j at j
   if (options.add_zero_attn()) {
     k = torch::cat({k, torch::zeros({N, Hkv, 1, head_dim}, k.options())},
                    2);  // (N, Hkv, S'+1, D)
@@ -582,15 +589,10 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
 
   auto p = project_inputs(*this, in.query, in.query, in.query,
                           /*self_attention=*/true, /*key_is_value=*/true);
-  auto q = split_heads(p.q, H);    // (N, H, T, D)
-  auto k = split_heads(p.k, Hkv);  // (N, Hkv, T, D)
-  auto v = split_heads(p.v, Hkv);  // (N, Hkv, T, D)
-  if (options.rotary()) {          // row t at position P + t
-    q = rotary_embedding(q, P, options.rotary_theta(),
-                         options.rotary_pairing());
-    k = rotary_embedding(k, P, options.rotary_theta(),
-                         options.rotary_pairing());
-  }
+  auto q = split_heads(p.q, H);              // (N, H, T, D)
+  auto k = split_heads(p.k, Hkv);            // (N, Hkv, T, D)
+  auto v = split_heads(p.v, Hkv);            // (N, Hkv, T, D)
+  rotate_heads(*this, q, k, P);              // row t at position P + t
   auto [k_all, v_all] = cache.append(k, v);  // (N, Hkv, P + T, D)
   const bool needs_grad =
       torch::GradMode::is_enabled() && (k.requires_grad() || v.requires_grad());

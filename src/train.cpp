@@ -364,18 +364,20 @@ std::tuple<torch::Tensor, torch::Tensor> GPTBlockImpl::forward_impl(
       ln_1(x), /*key=*/{}, /*value=*/{},
       /*key_padding_mask=*/{}, need_weights, /*attn_mask=*/{},
       /*average_attn_weights=*/false,
-      /*is_causal=*/true);         // (N, T, E), (N, H, T, T) or undefined
-  auto h = x + dropout(attended);  // (N, T, E)
-  auto mlp = c_proj(torch::gelu(c_fc(ln_2(h))));  // (N,T,E)→(N,T,4E)→(N,T,E)
-  return {h + dropout(mlp), weights};             // (N, T, E)
+      /*is_causal=*/true);  // (N, T, E), (N, H, T, T) or undefined
+  return {residuals(x, attended), weights};
 }
 
 torch::Tensor GPTBlockImpl::forward_cached(const torch::Tensor& x,
                                            KVCache& cache) {
-  auto attended = std::get<0>(attn->forward_cached(ln_1(x), cache));
+  return residuals(x, std::get<0>(attn->forward_cached(ln_1(x), cache)));
+}
+
+torch::Tensor GPTBlockImpl::residuals(const torch::Tensor& x,
+                                      const torch::Tensor& attended) {
   auto h = x + dropout(attended);                 // (N, T, E)
-  auto mlp = c_proj(torch::gelu(c_fc(ln_2(h))));  // (N, T, E)
-  return h + dropout(mlp);
+  auto mlp = c_proj(torch::gelu(c_fc(ln_2(h))));  // (N,T,E)→(N,T,4E)→(N,T,E)
+  return h + dropout(mlp);                        // (N, T, E)
 }
 
 CharLMImpl::CharLMImpl(const CharLMOptions& options_) : options(options_) {

@@ -285,6 +285,9 @@ class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
  private:
   std::tuple<torch::Tensor, torch::Tensor> forward_impl(const torch::Tensor& x,
                                                         bool need_weights);
+  // x + dropout(attended), then the feed-forward residual branch.
+  torch::Tensor residuals(const torch::Tensor& x,
+                          const torch::Tensor& attended);
 };
 
 /// Holder of GPTBlockImpl.
