@@ -8,6 +8,8 @@
 #include <functional>
 #include <limits>
 
+#include "mha/version.h"
+
 namespace mha::detail {
 
 /// Which attention weights an attention step returns.
@@ -73,6 +75,64 @@ torch::Tensor key_positions_mask(const KeyPositions& positions, int64_t L,
 torch::Tensor dense_relative_bias(const torch::Tensor& relative_bias, int64_t L,
                                   int64_t S);
 
+/// The paths that can compute one attention call; every one gives the same
+/// result within the dtype's tolerance. choose_path picks one.
+enum class AttentionPath {
+  kFused,     ///< LibTorch's at::scaled_dot_product_attention (>= 2.5)
+  kBlocked,   ///< blocked_attention below: CPU, float32/float64, no dropout
+  kExplicit,  ///< explicit_attention below: whole (..., L, S) scores, any
+              ///< device and dtype; float16/bfloat16 softmax in float32
+};
+
+/// "fused", "blocked", "explicit".
+const char* to_string(AttentionPath path);
+
+/// What choose_path looks at: the properties of one call, never its data.
+struct AttentionCall {
+  torch::DeviceType device = torch::kCPU;
+  torch::ScalarType dtype = torch::kFloat32;
+  int64_t dims = 4;          ///< query.dim()
+  int64_t query_length = 1;  ///< L
+  int64_t key_length = 1;    ///< S
+  bool grouped = false;      ///< 4-D key/value with fewer heads than query
+  double dropout_p = 0.0;
+  WeightsMode weights = WeightsMode::kNone;
+  bool plain_positions = true;      ///< KeyPositions::plain()
+  bool mask_requires_grad = false;  ///< the additive mask needs a gradient
+  /// The LibTorch build has the fused kernel with mha's semantics
+  /// (has_fused_sdpa(), LibTorch >= 2.5); a field so that the choice can be
+  /// shown for every version, and turned off for a recomputation.
+  bool fused_available = has_fused_sdpa();
+
+  /// The properties of attention_core's arguments.
+  static AttentionCall of(const torch::Tensor& query, const torch::Tensor& key,
+                          const torch::Tensor& mask,
+                          const KeyPositions& positions, double dropout_p,
+                          WeightsMode weights);
+};
+
+/// The fused kernel applies: built in (LibTorch >= 2.5), no weights asked
+/// for (it returns none), and no position limits or bias beyond top-left
+/// causal (it takes only is_causal).
+bool fused_applies(const AttentionCall& call);
+
+/// The blocked path applies: CPU, float32 or float64, no dropout, 2-D to 4-D
+/// inputs with L, S > 0, and a mask that needs no gradient.
+bool blocked_applies(const AttentionCall& call);
+
+/// The path attention_core takes: the first that applies of
+/// 1. blocked, when key/value heads are grouped (read in place there);
+/// 2. fused; 3. blocked; 4. explicit.
+/// One exception depends on data, not on the call: on CPU a fused result
+/// holding NaN (a score that overflowed to +inf at a blocked key) is
+/// recomputed on the path chosen with fused_available = false.
+AttentionPath choose_path(const AttentionCall& call);
+
+/// The path the calling thread's latest attention_core call took (after
+/// the NaN recomputation above); kExplicit before any call. For reports
+/// such as mha-bench's.
+AttentionPath last_attention_path();
+
 /// softmax(query · keyᵀ · scale + mask) · value with fully masked rows set to
 /// 0. `mask` is additive (0 / -inf / any float) of query's dtype,
 /// broadcastable to (..., L, S), or undefined; `positions` adds its limits
@@ -81,14 +141,7 @@ torch::Tensor dense_relative_bias(const torch::Tensor& relative_bias, int64_t L,
 /// checked; kAverage needs 4-D (N, H, L, E) inputs. 4-D key and value may
 /// have fewer heads Hkv than query's H, dividing it (grouped-query
 /// attention): query head h then attends with key/value head h / (H / Hkv).
-///
-/// Three paths with the same results within the dtype's tolerance:
-/// - without weights, LibTorch's fused kernel where it meets the semantics
-///   (LibTorch >= 2.5, see compat.h);
-/// - on CPU in float32/float64 without dropout, blocked attention
-///   (blocked_attention below);
-/// - otherwise the explicit softmax path, which accumulates the softmax of
-///   float16 / bfloat16 scores in float32.
+/// Computed on the path choose_path picks.
 AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& key,
                                const torch::Tensor& value,
@@ -104,13 +157,6 @@ AttentionResult explicit_attention(const torch::Tensor& query,
                                    const KeyPositions& positions,
                                    double dropout_p, double scale,
                                    WeightsMode weights);
-
-/// True when blocked_attention handles these inputs: CPU, float32 or
-/// float64, no dropout, 2-D to 4-D inputs with L, S > 0, and a mask that
-/// needs no gradient.
-bool blocked_attention_applies(const torch::Tensor& query,
-                               const torch::Tensor& key,
-                               const torch::Tensor& mask, double dropout_p);
 
 /// Whether blocked attention keeps each block's weights for backward.
 enum class KeptWeights {

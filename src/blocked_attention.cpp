@@ -1,118 +1,25 @@
-// Glossary: L target (query) length, S source (key) length, E query/key
-// feature size, Ev value feature size, "..." any leading (batch, head) dims.
-#include "mha/attention.h"
-
+// Blocked attention, the CPU path of the attention core (attention_core.h):
+// for each (batch, head), query rows in blocks, the scores of one block at a
+// time in a reused per-thread buffer, blocks spread over ATen's threads.
+//
+// Glossary: N batch, H heads (the two leading dims of 4-D inputs), L target
+// (query) length, S source (key) length, D and Dv the query/key and value
+// features, B the query rows of one block.
 #include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <tuple>
 #include <utility>
 
 #include "attention_core.h"
 #include "blas_threads.h"
 #include "fused_softmax.h"
-#include "mha/detail/compat.h"
-#include "mha/masks.h"
 
-namespace mha {
-namespace detail {
-
+namespace mha::detail {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-/// Weights (..., L, S) in the requested form.
-torch::Tensor shape_weights(const torch::Tensor& weights, WeightsMode mode) {
-  switch (mode) {
-    case WeightsMode::kNone:
-      return torch::Tensor();
-    case WeightsMode::kPerHead:
-      return weights;
-    case WeightsMode::kAverage:
-      return weights.mean(/*dim=*/1);  // (N, H, L, S) → (N, L, S)
-  }
-  return torch::Tensor();
-}
-
-/// t (N, Hkv, S, D) with each key/value head repeated for its heads / Hkv
-/// query heads: (N, heads, S, D), head h a copy of t's head h / (heads /
-/// Hkv), as repeat_kv in Llama.
-torch::Tensor repeat_kv(const torch::Tensor& t, int64_t heads) {
-  const auto N = t.size(0), Hkv = t.size(1), S = t.size(2), D = t.size(3);
-  return t.unsqueeze(2)
-      .expand({N, Hkv, heads / Hkv, S, D})
-      .reshape({N, heads, S, D});
-}
-
-/// `mask` (additive or undefined) with the limits of `positions` (causal,
-/// window) merged in as a dense (L, S) mask.
-torch::Tensor with_positions(const torch::Tensor& mask,
-                             const KeyPositions& positions,
-                             const torch::Tensor& query,
-                             const torch::Tensor& key) {
-  return merge_masks({mask, key_positions_mask(positions, query.size(-2),
-                                               key.size(-2), query.options())},
-                     query.scalar_type());
-}
-
-}  // namespace
-
-AttentionResult explicit_attention(const torch::Tensor& query,
-                                   const torch::Tensor& key,
-                                   const torch::Tensor& value,
-                                   const torch::Tensor& mask_in,
-                                   const KeyPositions& positions,
-                                   double dropout_p, double scale,
-                                   WeightsMode weights_mode) {
-  const auto dtype = query.scalar_type();
-  // broadcastable to (..., L, S)
-  auto mask = with_positions(mask_in, positions, query, key);
-  // (..., L, E)·(..., E, S) → (..., L, S); scaling the smaller operand.
-  auto scores = torch::matmul(query * scale, key.transpose(-2, -1));
-  if (positions.relative_bias.defined()) {
-    // (Hb, L, S): the heads' dim of 4-D scores, else Hb = 1 broadcasts.
-    auto bias = dense_relative_bias(positions.relative_bias, query.size(-2),
-                                    key.size(-2));
-    scores = scores + (query.dim() == 4 ? bias : bias.squeeze(0));
-  }
-  torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
-  if (mask.defined()) {
-    auto blocked = mask.eq(kNegInf);  // broadcastable to (..., L, S)
-    // Adding -inf to a score that overflowed to +inf would give NaN: blocked
-    // positions are set to -inf, not added to.
-    scores.add_(mask).masked_fill_(blocked, kNegInf);  // (..., L, S)
-    auto rows = blocked.all(/*dim=*/-1, /*keepdim=*/true);
-    // On CPU, asking whether any row is fully masked is cheap and saves two
-    // passes over the scores; on an accelerator it would stall the stream.
-    if (!query.device().is_cpu() || rows.any().item<bool>()) {
-      // A fully masked row would be softmax(-inf, ..., -inf) = NaN. Give it
-      // finite scores, then zero its weights: the output row is 0 and no
-      // gradient flows into it.
-      blocked_rows = rows;
-      scores.masked_fill_(blocked_rows, 0.0);
-    }
-  }
-  const bool half = dtype == torch::kHalf || dtype == torch::kBFloat16;
-  auto weights = half ? torch::softmax(scores, /*dim=*/-1, torch::kFloat)
-                            .to(dtype)  // accumulated in float32
-                      : torch::softmax(scores, /*dim=*/-1);  // (..., L, S)
-  if (blocked_rows.defined()) {
-    weights = weights.masked_fill(blocked_rows, 0.0);
-  }
-  if (dropout_p > 0.0) {
-    weights = torch::dropout(weights, dropout_p, /*train=*/true);
-  }
-  auto output = torch::matmul(weights, value);  // (..., L, S)·(..., S, Ev)
-  return {output, shape_weights(weights, weights_mode)};
-}
-
-// ------------------------------------------------------- blocked attention ---
-// Glossary here: N batch, H heads (the two leading dims of 4-D inputs), D and
-// Dv the query/key and value features, B the query rows of one block.
-
-namespace {
 
 /// What every block of one call shares.
 struct BlockedSpec {
@@ -565,17 +472,6 @@ int64_t for_each_item(
   return threads;
 }
 
-bool blocked_attention_applies(const torch::Tensor& query,
-                               const torch::Tensor& key,
-                               const torch::Tensor& mask, double dropout_p) {
-  const auto dtype = query.scalar_type();
-  return query.device().is_cpu() &&
-         (dtype == torch::kFloat32 || dtype == torch::kFloat64) &&
-         dropout_p == 0.0 && query.dim() >= 2 && query.dim() <= 4 &&
-         query.size(-2) > 0 && key.size(-2) > 0 &&
-         (!mask.defined() || !mask.requires_grad());
-}
-
 AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& key,
                                   const torch::Tensor& value,
@@ -643,206 +539,4 @@ AttentionResult blocked_attention(const torch::Tensor& query,
   return {output, weights_out};
 }
 
-AttentionResult attention_core(const torch::Tensor& query,
-                               const torch::Tensor& key_in,
-                               const torch::Tensor& value_in,
-                               const torch::Tensor& mask,
-                               const KeyPositions& positions, double dropout_p,
-                               double scale, WeightsMode weights) {
-  const bool grouped = query.dim() == 4 && key_in.size(1) != query.size(1);
-  TORCH_INTERNAL_ASSERT(!grouped || query.size(1) % key_in.size(1) == 0,
-                        "attention_core: key/value heads must divide query's");
-  const bool blocked =
-      blocked_attention_applies(query, key_in, mask, dropout_p);
-  if (grouped && blocked) {
-    // The blocked path reads key/value head h / group for query head h.
-    return blocked_attention(query, key_in, value_in, mask, positions, scale,
-                             weights);
-  }
-  // Elsewhere each query head gets its key/value head, copied.
-  const auto key = grouped ? repeat_kv(key_in, query.size(1)) : key_in;
-  const auto value = grouped ? repeat_kv(value_in, query.size(1)) : value_in;
-#if MHA_HAS_FUSED_SDPA
-  if (weights == WeightsMode::kNone && positions.plain()) {
-    // LibTorch refuses is_causal together with a mask: merge them then.
-    const bool merge = positions.causal && mask.defined();
-    auto fused_mask =
-        merge ? with_positions(mask, positions, query, key) : mask;
-    auto output = fused_sdpa(query, key, value, fused_mask, dropout_p,
-                             positions.causal && !merge, scale);
-    // The fused kernel adds the mask to the scores, so a score that
-    // overflowed to +inf at a blocked key turns into NaN, where mha's
-    // semantics say a blocked key changes nothing. On CPU such a (rare)
-    // result is recomputed below; on an accelerator the check would stall
-    // the stream, so there the fused result stands.
-    if (!query.device().is_cpu() || !output.isnan().any().item<bool>()) {
-      return {output, torch::Tensor()};
-    }
-  }
-#endif
-  if (blocked) {
-    return blocked_attention(query, key, value, mask, positions, scale,
-                             weights);
-  }
-  return explicit_attention(query, key, value, mask, positions, dropout_p,
-                            scale, weights);
-}
-
-torch::Tensor key_positions_mask(const KeyPositions& positions, int64_t L,
-                                 int64_t S,
-                                 const torch::TensorOptions& options) {
-  if (!positions.causal && positions.window == 0) {
-    return torch::Tensor();
-  }
-  const auto index = torch::TensorOptions(options).dtype(torch::kLong);
-  auto i = torch::arange(L, index).unsqueeze(1);  // (L, 1)
-  auto j = torch::arange(S, index).unsqueeze(0);  // (1, S)
-  // Visible: begin(i) <= j < end(i), as KeyPositions defines.
-  auto blocked = j.lt(i + positions.begin(0))
-                     .logical_or_(j.ge(i + positions.end(0)));  // (L, S)
-  return torch::zeros({L, S}, options)
-      .masked_fill_(blocked, -std::numeric_limits<double>::infinity());
-}
-
-torch::Tensor dense_relative_bias(const torch::Tensor& relative_bias, int64_t L,
-                                  int64_t S) {
-  const auto index = relative_bias.options().dtype(torch::kLong);
-  auto i = torch::arange(L, index).unsqueeze(1);  // (L, 1)
-  auto j = torch::arange(S, index).unsqueeze(0);  // (1, S)
-  auto diagonal = (j - i + (L - 1)).view(-1);     // (L·S)
-  return relative_bias.index_select(1, diagonal)
-      .view({relative_bias.size(0), L, S});  // (Hb, L, S)
-}
-
-void check_broadcastable(const torch::Tensor& mask, const char* name,
-                         torch::IntArrayRef target, const char* target_name) {
-  const auto mask_dims = static_cast<int64_t>(mask.dim());
-  const auto target_dims = static_cast<int64_t>(target.size());
-  bool ok = mask_dims <= target_dims;
-  for (int64_t i = 1; ok && i <= mask_dims; ++i) {
-    const auto m = mask.size(mask_dims - i);
-    ok = m == 1 || m == target[target_dims - i];
-  }
-  TORCH_CHECK(ok, name, " must be broadcastable to ", target_name, " = ",
-              target, ", but got ", mask.sizes());
-}
-
-}  // namespace detail
-
-namespace {
-
-void check_sdpa_inputs(const torch::Tensor& query, const torch::Tensor& key,
-                       const torch::Tensor& value, double dropout_p) {
-  TORCH_CHECK(query.defined() && key.defined() && value.defined(),
-              "scaled_dot_product_attention: query, key and value must all be "
-              "defined");
-  TORCH_CHECK(query.dim() >= 2,
-              "scaled_dot_product_attention: query must be (..., L, E) with at "
-              "least 2 dims, but got ",
-              query.sizes());
-  TORCH_CHECK(key.dim() == query.dim() && value.dim() == query.dim(),
-              "scaled_dot_product_attention: key and value must have query's ",
-              query.dim(), " dims, but got key ", key.sizes(), " and value ",
-              value.sizes());
-  const auto lead = query.sizes().slice(0, query.dim() - 2);
-  TORCH_CHECK(key.sizes().slice(0, key.dim() - 2) == lead &&
-                  value.sizes().slice(0, value.dim() - 2) == lead,
-              "scaled_dot_product_attention: key and value must have query's "
-              "leading dims ",
-              lead, ", but got query ", query.sizes(), ", key ", key.sizes(),
-              ", value ", value.sizes());
-  TORCH_CHECK(key.size(-1) == query.size(-1),
-              "scaled_dot_product_attention: key must be (..., S, E) with "
-              "query's E = ",
-              query.size(-1), ", but got ", key.sizes());
-  TORCH_CHECK(value.size(-2) == key.size(-2),
-              "scaled_dot_product_attention: value must be (..., S, Ev) with "
-              "key's S = ",
-              key.size(-2), ", but got ", value.sizes());
-  TORCH_CHECK(torch::isFloatingType(query.scalar_type()),
-              "scaled_dot_product_attention: query must be floating, but got "
-              "dtype ",
-              query.scalar_type());
-  TORCH_CHECK(key.scalar_type() == query.scalar_type() &&
-                  value.scalar_type() == query.scalar_type(),
-              "scaled_dot_product_attention: key and value must have query's "
-              "dtype ",
-              query.scalar_type(), ", but got key ", key.scalar_type(),
-              " and value ", value.scalar_type());
-  TORCH_CHECK(
-      key.device() == query.device() && value.device() == query.device(),
-      "scaled_dot_product_attention: key and value must be on query's "
-      "device ",
-      query.device(), ", but got key on ", key.device(), " and value on ",
-      value.device());
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
-              "scaled_dot_product_attention: dropout_p must be in [0, 1), but "
-              "got ",
-              dropout_p);
-}
-
-}  // namespace
-
-std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
-    const torch::Tensor& query, const torch::Tensor& key,
-    const torch::Tensor& value, const torch::Tensor& attn_mask,
-    double dropout_p, bool is_causal, c10::optional<double> scale,
-    bool need_weights) {
-  check_sdpa_inputs(query, key, value, dropout_p);
-  const int64_t S = key.size(-2);
-  const int64_t E = query.size(-1);
-  check_mask(attn_mask, "attn_mask", query.scalar_type(), query.device());
-  if (attn_mask.defined()) {
-    auto target = query.sizes().vec();  // (..., L, S)
-    target.back() = S;
-    detail::check_broadcastable(attn_mask, "attn_mask", target, "(..., L, S)");
-  }
-  const double scale_value =
-      scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
-  TORCH_CHECK(std::isfinite(scale_value),
-              "scaled_dot_product_attention: scale must be finite, but got ",
-              scale_value);
-  // One additive mask; merge_masks turns a bool mask into 0 / -inf.
-  auto mask = merge_masks({attn_mask}, query.scalar_type());
-  auto result = detail::attention_core(
-      query, key, value, mask, is_causal, dropout_p, scale_value,
-      need_weights ? detail::WeightsMode::kPerHead
-                   : detail::WeightsMode::kNone);
-  return {result.output, result.weights};
-}
-
-ScaledDotProductAttentionImpl::ScaledDotProductAttentionImpl(
-    const ScaledDotProductAttentionOptions& options_)
-    : options(options_) {
-  reset();
-}
-
-void ScaledDotProductAttentionImpl::reset() {
-  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0,
-              "ScaledDotProductAttention: dropout must be in [0, 1), but got ",
-              options.dropout());
-}
-
-std::tuple<torch::Tensor, torch::Tensor> ScaledDotProductAttentionImpl::forward(
-    const torch::Tensor& query, const torch::Tensor& key,
-    const torch::Tensor& value, const torch::Tensor& attn_mask, bool is_causal,
-    bool need_weights) {
-  const double p = is_training() ? options.dropout() : 0.0;
-  return scaled_dot_product_attention(query, key, value, attn_mask, p,
-                                      is_causal, options.scale(), need_weights);
-}
-
-void ScaledDotProductAttentionImpl::pretty_print(std::ostream& stream) const {
-  stream << "mha::ScaledDotProductAttention(";
-  const char* sep = "";
-  if (options.dropout() != 0.0) {
-    stream << "dropout=" << options.dropout();
-    sep = ", ";
-  }
-  if (options.scale().has_value()) {
-    stream << sep << "scale=" << *options.scale();
-  }
-  stream << ")";
-}
-
-}  // namespace mha
+}  // namespace mha::detail

@@ -6,7 +6,7 @@
 #include <limits>
 #include <utility>
 
-#include "mha/detail/compat.h"
+#include "compat.h"
 
 #if MHA_WITH_DISTRIBUTED
 // ProcessGroupGloo.hpp declares its class only with USE_C10D_GLOO defined

@@ -5,7 +5,7 @@
 #include <functional>
 #include <string>
 
-#include "mha/detail/compat.h"
+#include "compat.h"
 #include "projection.h"
 
 namespace mha {

@@ -24,8 +24,9 @@
 #include "blas_threads.h"
 #include "fused_softmax.h"
 #include "mha/attention.h"
-#include "mha/detail/compat.h"
 #include "mha/masks.h"
+#include "mha/multi_head_attention.h"
+#include "mha/version.h"
 #include "test_helpers.h"
 
 namespace {
@@ -801,8 +802,7 @@ std::vector<PathCase> path_cases(int64_t N, int64_t H, int64_t L, int64_t S,
 
 TEST_F(ScaledDotProductAttentionTest, FusedPathEqualsExplicitPath) {
   std::cout << "[ note ] fused at::scaled_dot_product_attention path: "
-            << (mha::detail::has_fused_sdpa() ? "on" : "off (LibTorch < 2.5)")
-            << "\n";
+            << (mha::has_fused_sdpa() ? "on" : "off (LibTorch < 2.5)") << "\n";
   const int64_t N = 2, H = 3, E = 8;
   for (auto dtype : {torch::kFloat32, torch::kFloat64, torch::kBFloat16}) {
     const double tol = dtype == torch::kFloat64   ? 1e-12
@@ -1274,4 +1274,157 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
       }
     }
   }
+}
+
+// ------------------------------------------------------- path choice table ---
+// choose_path is a function of the call's properties: this table pins the
+// path for each combination, for a LibTorch without (< 2.5) and with the
+// fused kernel, whatever this build has. CUDA rows need no GPU.
+
+namespace {
+
+struct PathRow {
+  const char* what;
+  mha::detail::AttentionCall call;
+  const char* without_fused;  // LibTorch < 2.5
+  const char* with_fused;     // LibTorch >= 2.5
+};
+
+std::vector<PathRow> path_rows() {
+  using mha::detail::AttentionCall;
+  using mha::detail::WeightsMode;
+  auto call = [](auto&& configure) {
+    AttentionCall c;  // CPU float32 4-D, L = S = 1, no weights, no dropout
+    configure(c);
+    return c;
+  };
+  return {
+      {"cpu f32", call([](auto&) {}), "blocked", "fused"},
+      {"cpu f64", call([](auto& c) { c.dtype = torch::kFloat64; }), "blocked",
+       "fused"},
+      {"cpu f16", call([](auto& c) { c.dtype = torch::kFloat16; }), "explicit",
+       "fused"},
+      {"cpu bf16 weights", call([](auto& c) {
+         c.dtype = torch::kBFloat16;
+         c.weights = WeightsMode::kPerHead;
+       }),
+       "explicit", "explicit"},
+      {"cpu f32 weights per head",
+       call([](auto& c) { c.weights = WeightsMode::kPerHead; }), "blocked",
+       "blocked"},
+      {"cpu f32 weights averaged",
+       call([](auto& c) { c.weights = WeightsMode::kAverage; }), "blocked",
+       "blocked"},
+      {"cpu f32 dropout", call([](auto& c) { c.dropout_p = 0.1; }), "explicit",
+       "fused"},
+      {"cpu f32 dropout weights", call([](auto& c) {
+         c.dropout_p = 0.1;
+         c.weights = WeightsMode::kPerHead;
+       }),
+       "explicit", "explicit"},
+      {"cpu f32 window/bias", call([](auto& c) { c.plain_positions = false; }),
+       "blocked", "blocked"},
+      {"cpu f16 window/bias", call([](auto& c) {
+         c.dtype = torch::kFloat16;
+         c.plain_positions = false;
+       }),
+       "explicit", "explicit"},
+      {"cpu f32 grouped", call([](auto& c) { c.grouped = true; }), "blocked",
+       "blocked"},
+      {"cpu f32 grouped dropout", call([](auto& c) {
+         c.grouped = true;
+         c.dropout_p = 0.1;
+       }),
+       "explicit", "fused"},
+      {"cpu bf16 grouped", call([](auto& c) {
+         c.grouped = true;
+         c.dtype = torch::kBFloat16;
+       }),
+       "explicit", "fused"},
+      {"cpu f32 mask needs grad",
+       call([](auto& c) { c.mask_requires_grad = true; }), "explicit", "fused"},
+      {"cpu f32 5-D", call([](auto& c) { c.dims = 5; }), "explicit", "fused"},
+      {"cpu f32 2-D", call([](auto& c) { c.dims = 2; }), "blocked", "fused"},
+      {"cpu f32 L = 0", call([](auto& c) { c.query_length = 0; }), "explicit",
+       "fused"},
+      {"cuda f32", call([](auto& c) { c.device = torch::kCUDA; }), "explicit",
+       "fused"},
+      {"cuda f32 weights", call([](auto& c) {
+         c.device = torch::kCUDA;
+         c.weights = WeightsMode::kAverage;
+       }),
+       "explicit", "explicit"},
+      {"cuda bf16 grouped", call([](auto& c) {
+         c.device = torch::kCUDA;
+         c.dtype = torch::kBFloat16;
+         c.grouped = true;
+       }),
+       "explicit", "fused"},
+      {"cuda f16 window/bias", call([](auto& c) {
+         c.device = torch::kCUDA;
+         c.dtype = torch::kFloat16;
+         c.plain_positions = false;
+       }),
+       "explicit", "explicit"},
+  };
+}
+
+}  // namespace
+
+TEST(AttentionPathTest, ChoosePathTable) {
+  for (const auto& row : path_rows()) {
+    for (bool fused : {false, true}) {
+      auto call = row.call;
+      call.fused_available = fused;
+      EXPECT_STREQ(mha::detail::to_string(mha::detail::choose_path(call)),
+                   fused ? row.with_fused : row.without_fused)
+          << row.what << (fused ? ", LibTorch >= 2.5" : ", LibTorch < 2.5");
+    }
+  }
+}
+
+TEST(AttentionPathTest, CallsTakeTheChosenPath) {
+  using mha::detail::AttentionCall;
+  using mha::detail::choose_path;
+  using mha::detail::last_attention_path;
+  const bool fused = mha::has_fused_sdpa();
+  EXPECT_EQ(AttentionCall().fused_available, fused);
+  auto q = torch::randn({2, 4, 5, 8});
+  struct Call {
+    const char* what;
+    torch::Tensor query, key;
+    bool need_weights;
+    double dropout_p;
+    const char* expected;  // on this build
+  };
+  const std::vector<Call> calls = {
+      {"plain", q, q, false, 0.0, fused ? "fused" : "blocked"},
+      {"weights", q, q, true, 0.0, "blocked"},
+      {"dropout", q, q, false, 0.5, fused ? "fused" : "explicit"},
+      {"bfloat16", q.to(torch::kBFloat16), q.to(torch::kBFloat16), true, 0.0,
+       "explicit"},
+  };
+  for (const auto& c : calls) {
+    SCOPED_TRACE(c.what);
+    mha::scaled_dot_product_attention(c.query, c.key, c.key, {}, c.dropout_p,
+                                      false, c10::nullopt, c.need_weights);
+    EXPECT_STREQ(mha::detail::to_string(last_attention_path()), c.expected);
+  }
+  // The module's grouped heads: blocked on CPU whatever the version.
+  mha::MultiHeadAttention grouped(
+      mha::MultiHeadAttentionOptions(32, 4).num_kv_heads(2));
+  grouped->eval();
+  grouped->forward(torch::randn({2, 5, 32}), {}, {}, {},
+                   /*need_weights=*/false);
+  EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
+  // A score that overflows to +inf at a blocked key: the fused kernel gives
+  // NaN there, so the call is recomputed on the path chosen without it.
+  auto k = torch::randn({1, 3, 4});
+  k.select(1, 2).fill_(3e38f);
+  auto blocked = torch::zeros({2, 3}, torch::kBool);
+  blocked.select(1, 2).fill_(true);
+  auto [out, w] = mha::scaled_dot_product_attention(
+      torch::ones({1, 2, 4}), k, torch::randn({1, 3, 2}), blocked);
+  EXPECT_FALSE(has_nan(out));
+  EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
 }

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "mha/mha.h"
+#include "mha/parity.h"
 #include "test_helpers.h"
 
 namespace {

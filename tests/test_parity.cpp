@@ -6,6 +6,7 @@
 #include <set>
 
 #include "mha/mha.h"
+#include "mha/parity.h"
 #include "test_helpers.h"
 
 namespace {

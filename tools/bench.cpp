@@ -17,6 +17,7 @@
 
 #include "mha/mha.h"
 #include "mha/parity.h"
+#include "mha/train.h"
 
 namespace mha::bench {
 

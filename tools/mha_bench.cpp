@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "bench.h"
-#include "mha/detail/compat.h"
+#include "mha/version.h"
 #include "tool_common.h"
 
 namespace {
@@ -306,7 +306,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr,
                "mha-bench: --device cuda: CUDA is not available (LibTorch {} "
                "built without CUDA, or no GPU)\n",
-               mha::detail::torch_version());
+               mha::torch_version());
     return 2;
   }
   std::ofstream json_file;
@@ -408,8 +408,8 @@ int main(int argc, char** argv) {
                             ? ""
                             : fmt::format(" ({})", source("OPENBLAS_CORETYPE")))
           : "");
-  fmt::print("LibTorch:  {}, device {}, dtype {}\n",
-             mha::detail::torch_version(), device_name, dtype_name);
+  fmt::print("LibTorch:  {}, device {}, dtype {}\n", mha::torch_version(),
+             device_name, dtype_name);
   fmt::print(
       "Threads:   at::get_num_threads() = {}; OMP_WAIT_POLICY={} ({}); "
       "OMP_NUM_THREADS {}; OPENBLAS_NUM_THREADS {} (OpenBLAS uses {})\n",
@@ -604,7 +604,7 @@ int main(int argc, char** argv) {
         {"blas", blas},
         {"openblas_config", openblas ? openblas->config : ""},
         {"openblas_threads", openblas ? openblas->num_threads : 0},
-        {"libtorch", mha::detail::torch_version()},
+        {"libtorch", mha::torch_version()},
         {"device", device_name},
         {"dtype", dtype_name},
         {"intra_op_threads", at::get_num_threads()},

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "mha/detail/compat.h"
 #include "mha/parity.h"
 #include "mha/plot.h"
+#include "mha/version.h"
 #include "tool_common.h"
 
 namespace {
@@ -228,7 +228,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr,
                "mha-parity: --device cuda: CUDA is not available (LibTorch {} "
                "built without CUDA, or no GPU)\n",
-               mha::detail::torch_version());
+               mha::torch_version());
     return 2;
   }
   std::vector<torch::ScalarType> dtypes;
@@ -370,9 +370,8 @@ int main(int argc, char** argv) {
   fmt::print(
       "mha-parity: LibTorch {}, device {}, {} intra-op thread(s), "
       "seed {}\nBLAS: {}\nattention without weights: {}\n",
-      mha::detail::torch_version(), device_name, at::get_num_threads(), seed,
-      blas,
-      mha::detail::has_fused_sdpa()
+      mha::torch_version(), device_name, at::get_num_threads(), seed, blas,
+      mha::has_fused_sdpa()
           ? "LibTorch's fused scaled_dot_product_attention"
           : "mha's explicit softmax path (no fused kernel before LibTorch "
             "2.5)");
@@ -447,7 +446,7 @@ int main(int argc, char** argv) {
   }
   if (!json_path.empty()) {
     nlohmann::json doc;
-    doc["environment"] = {{"libtorch", mha::detail::torch_version()},
+    doc["environment"] = {{"libtorch", mha::torch_version()},
                           {"device", device_name},
                           {"blas", blas},
                           {"intra_op_threads", at::get_num_threads()},

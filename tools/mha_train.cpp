@@ -16,9 +16,9 @@
 #include <string>
 
 #include "launch.h"
-#include "mha/detail/compat.h"
 #include "mha/distributed.h"
 #include "mha/train.h"
+#include "mha/version.h"
 #include "tool_common.h"
 
 namespace {
@@ -561,7 +561,7 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     fmt::print(
         "mha-train: {} | LibTorch {} | device {} | threads {}{} | seed {}\n",
-        task->name(), mha::detail::torch_version(), device.str(), threads,
+        task->name(), mha::torch_version(), device.str(), threads,
         openblas
             ? fmt::format(" (OpenBLAS {} too)", mha::tools::openblas_core())
             : "",

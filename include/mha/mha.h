@@ -1,15 +1,16 @@
-// The mha library: multi-head attention modules with PyTorch's semantics.
-// Includes every public header that needs nothing beyond LibTorch.
+// The mha library (target mha::mha): multi-head attention modules with
+// PyTorch's semantics. Includes every header of the core. Training
+// (<mha/train.h>, target mha::train) and the parity checker
+// (<mha/parity.h>, target mha::parity) are separate libraries.
 #pragma once
 
 #include "mha/attention.h"
 #include "mha/kv_cache.h"
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"
-#include "mha/parity.h"
 #include "mha/plot.h"
 #include "mha/positions.h"
 #include "mha/state_dict.h"
-#include "mha/train.h"
 #include "mha/transformer.h"
+#include "mha/version.h"
 #include "mha/weights.h"

@@ -21,3 +21,16 @@ run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build
     -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release ${extra})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
+if(MHA_BINARY_DIR)
+  run(${WORK_DIR}/build/consumer_train)
+else()
+  # add_subdirectory(mha) builds what the consumer links (mha::mha) and
+  # nothing of training or parity.
+  file(GLOB_RECURSE built_extras ${WORK_DIR}/build/mha-build/*.o
+       ${WORK_DIR}/build/mha-build/*.a)
+  list(FILTER built_extras INCLUDE REGEX "mha_(train|parity)")
+  if(built_extras)
+    message(FATAL_ERROR "add_subdirectory(mha) built more than mha::mha: "
+                        "${built_extras}")
+  endif()
+endif()

@@ -1,17 +1,16 @@
-// The one place where mha branches on the LibTorch version.
+// Internal (not installed): the one place where mha branches on the
+// LibTorch version.
 //
-// Every `TORCH_VERSION_MAJOR/MINOR` test in the project lives in this header,
-// each with a note of what differs and since which version.
+// Every version gate of the project lives in this header, each with a note
+// of what differs and since which version; they test
+// MHA_TORCH_VERSION_AT_LEAST from the public mha/version.h.
 #pragma once
 
 #include <torch/torch.h>
-#include <torch/version.h>
 
 #include <variant>
 
-#define MHA_TORCH_VERSION_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||              \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+#include "mha/version.h"
 
 // LibTorch's fused `at::scaled_dot_product_attention` (flash / memory-
 // efficient kernels on CUDA, flash on CPU) exists from 2.0 and takes `scale`
@@ -44,13 +43,6 @@
 #endif
 
 namespace mha::detail {
-
-/// The LibTorch version the library was compiled against, e.g. "1.13.0".
-inline const char* torch_version() { return TORCH_VERSION; }
-
-/// True when attention without requested weights runs on LibTorch's fused
-/// `at::scaled_dot_product_attention` (LibTorch >= 2.5).
-constexpr bool has_fused_sdpa() { return MHA_HAS_FUSED_SDPA != 0; }
 
 /// The alternative T held by one of LibTorch's variants (such as
 /// torch::nn::activation_t), or nullptr. LibTorch 1.13 has its own
