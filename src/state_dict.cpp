@@ -1,5 +1,8 @@
-// State dicts on disk: safetensors and PyTorch zip files (formats and
-// sources in include/mha/state_dict.h).
+// State dicts on disk: the module API of include/mha/state_dict.h (formats
+// and sources there), the top layer of state-dict I/O. It picks the format
+// by content or extension and hands the file to safetensors.h or
+// pytorch_format.h; below those lie pickle.h, zip_archive.h and tensor_file.h.
+// For now this file also holds the pickle reader of pickle.h (next to move).
 //
 // Glossary: an "entry" is one (name, tensor) pair of a state dict; a "record"
 // is one file inside a PyTorch zip archive; a "storage" is the flat buffer
@@ -9,602 +12,25 @@
 // overflow-checked arithmetic.
 #include "mha/state_dict.h"
 
-#include <caffe2/serialize/inline_container.h>
-
 #include <algorithm>
 #include <cctype>
+#include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
-#include <limits>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <system_error>
-#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
-// Both formats store little-endian data, copied here as it is.
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "mha's state-dict I/O assumes a little-endian machine"
-#endif
+#include "pickle.h"
+#include "pytorch_format.h"
+#include "safetensors.h"
+#include "tensor_file.h"
 
-namespace mha {
+namespace mha::detail {
 namespace {
-
-using StateDict = torch::OrderedDict<std::string, torch::Tensor>;
-
-// --------------------------------------------------------------------------
-// Shared helpers: dtypes, checked arithmetic, printable text, file access.
-
-/// One supported dtype under the names the two formats give it.
-struct DtypeName {
-  torch::ScalarType dtype;
-  const char* torch_name;   // for messages: "float32"
-  const char* safetensors;  // safetensors "dtype" field: "F32"
-  const char* storage;      // PyTorch storage class torch.<storage>
-};
-
-const DtypeName kDtypes[] = {
-    {torch::kFloat64, "float64", "F64", "DoubleStorage"},
-    {torch::kFloat32, "float32", "F32", "FloatStorage"},
-    {torch::kFloat16, "float16", "F16", "HalfStorage"},
-    {torch::kBFloat16, "bfloat16", "BF16", "BFloat16Storage"},
-    {torch::kInt64, "int64", "I64", "LongStorage"},
-    {torch::kInt32, "int32", "I32", "IntStorage"},
-    {torch::kInt16, "int16", "I16", "ShortStorage"},
-    {torch::kInt8, "int8", "I8", "CharStorage"},
-    {torch::kUInt8, "uint8", "U8", "ByteStorage"},
-    {torch::kBool, "bool", "BOOL", "BoolStorage"},
-};
-
-const DtypeName* find_dtype(torch::ScalarType dtype) {
-  for (const auto& d : kDtypes) {
-    if (d.dtype == dtype) {
-      return &d;
-    }
-  }
-  return nullptr;
-}
-
-const DtypeName* find_safetensors_dtype(const std::string& name) {
-  for (const auto& d : kDtypes) {
-    if (name == d.safetensors) {
-      return &d;
-    }
-  }
-  return nullptr;
-}
-
-const DtypeName* find_storage_type(const std::string& name) {
-  for (const auto& d : kDtypes) {
-    if (name == d.storage) {
-      return &d;
-    }
-  }
-  return nullptr;
-}
-
-std::string supported_dtypes() {
-  std::string list;
-  for (const auto& d : kDtypes) {
-    list += list.empty() ? "" : ", ";
-    list += d.torch_name;
-  }
-  return list;
-}
-
-uint64_t element_size(const DtypeName& d) {
-  return static_cast<uint64_t>(c10::elementSize(d.dtype));
-}
-
-/// a * b, false on overflow.
-bool checked_mul(uint64_t a, uint64_t b, uint64_t* out) {
-  if (a != 0 && b > std::numeric_limits<uint64_t>::max() / a) {
-    return false;
-  }
-  *out = a * b;
-  return true;
-}
-
-/// a + b, false on overflow.
-bool checked_add(uint64_t a, uint64_t b, uint64_t* out) {
-  if (b > std::numeric_limits<uint64_t>::max() - a) {
-    return false;
-  }
-  *out = a + b;
-  return true;
-}
-
-/// The number of elements of `shape` (entries >= 0), false on overflow past
-/// int64.
-bool checked_numel(const std::vector<int64_t>& shape, uint64_t* numel) {
-  uint64_t n = 1;
-  for (const int64_t s : shape) {
-    if (!checked_mul(n, static_cast<uint64_t>(s), &n)) {
-      return false;
-    }
-  }
-  if (n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-    return false;
-  }
-  *numel = n;
-  return true;
-}
-
-/// Untrusted text made safe to print: at most 80 characters, with control
-/// and non-ASCII bytes written as \xNN.
-std::string printable(const std::string& text) {
-  static const char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (size_t i = 0; i < text.size() && i < 80; ++i) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      out += "\\x";
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 15]);
-    }
-  }
-  if (text.size() > 80) {
-    out += "...";
-  }
-  return out;
-}
-
-/// The prefix of every message about the file `path`.
-std::string file_label(const std::string& path) {
-  return "state dict file '" + path + "'";
-}
-
-/// Reads exactly `n` bytes at `offset` of `in` into `dst`.
-void read_exact(std::ifstream& in, uint64_t offset, void* dst, uint64_t n,
-                const std::string& where, const char* what) {
-  if (n == 0) {
-    return;
-  }
-  in.clear();
-  in.seekg(static_cast<std::streamoff>(offset));
-  in.read(static_cast<char*>(dst), static_cast<std::streamsize>(n));
-  TORCH_CHECK(in.good() && static_cast<uint64_t>(in.gcount()) == n, where,
-              ": cannot read ", what, " (", n, " bytes at offset ", offset,
-              ")");
-}
-
-/// Runs `f`, turning any exception it throws (LibTorch's zip reader and
-/// writer throw c10::Error, std::exception on allocation failures) into one
-/// c10::Error that names the file and what was being done.
-template <typename F>
-auto with_context(const std::string& where, const char* what, F&& f)
-    -> decltype(f()) {
-  try {
-    return f();
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, where, ": ", what, ": ", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, where, ": ", what, ": ", e.what());
-  }
-}
-
-/// A tensor read from `n` raw little-endian bytes. Bool data is read as
-/// bytes and compared with 0, so that a byte other than 0 or 1 cannot make
-/// an invalid bool.
-torch::Tensor tensor_from_bytes(const DtypeName& d,
-                                const std::vector<int64_t>& shape,
-                                const std::function<void(void*)>& fill) {
-  const bool is_bool = d.dtype == torch::kBool;
-  torch::Tensor t =
-      torch::empty(shape, torch::dtype(is_bool ? torch::kUInt8 : d.dtype));
-  if (t.numel() > 0) {
-    fill(t.data_ptr());
-  }
-  return is_bool ? t.ne(0) : t;
-}
-
-// --------------------------------------------------------------------------
-// safetensors
-
-/// The format's own limit on the header (the reference implementation
-/// refuses larger headers).
-constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
-/// A safetensors header nests 3 deep ({name: {shape: [...]}}); anything much
-/// deeper is refused before parsing, so that no hostile header can exhaust
-/// the stack.
-constexpr size_t kMaxJsonDepth = 8;
-
-/// How deeply `text`'s JSON arrays and objects nest (brackets inside strings
-/// do not count).
-size_t json_depth(const std::string& text) {
-  size_t depth = 0;
-  size_t max_depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      max_depth = std::max(max_depth, ++depth);
-    } else if ((c == '}' || c == ']') && depth > 0) {
-      --depth;
-    }
-  }
-  return max_depth;
-}
-
-/// One tensor of a safetensors header, validated.
-struct SafetensorsEntry {
-  std::string name;
-  const DtypeName* dtype;
-  std::vector<int64_t> shape;
-  uint64_t begin;  // byte offsets into the data section, [begin, end)
-  uint64_t end;
-};
-
-/// A JSON number that is a non-negative integer, as uint64.
-bool json_unsigned(const nlohmann::json& j, uint64_t* out) {
-  if (!j.is_number_unsigned()) {
-    return false;
-  }
-  *out = j.get<uint64_t>();
-  return true;
-}
-
-SafetensorsEntry parse_safetensors_entry(const std::string& where,
-                                         const std::string& name,
-                                         const nlohmann::json& info,
-                                         uint64_t data_size) {
-  const std::string what = where + ": tensor '" + printable(name) + "'";
-  TORCH_CHECK(info.is_object(), what,
-              ": expected an object {\"dtype\", \"shape\", \"data_offsets\"}",
-              ", got ", info.type_name());
-  for (auto it = info.begin(); it != info.end(); ++it) {
-    TORCH_CHECK(it.key() == "dtype" || it.key() == "shape" ||
-                    it.key() == "data_offsets",
-                what, ": unknown field '", printable(it.key()),
-                "' (expected dtype, shape, data_offsets)");
-  }
-  TORCH_CHECK(info.contains("dtype") && info.contains("shape") &&
-                  info.contains("data_offsets"),
-              what, ": needs the fields dtype, shape and data_offsets");
-
-  SafetensorsEntry entry;
-  entry.name = name;
-  const auto& dtype = info["dtype"];
-  TORCH_CHECK(dtype.is_string(), what, ": dtype must be a string, got ",
-              dtype.type_name());
-  entry.dtype = find_safetensors_dtype(dtype.get<std::string>());
-  TORCH_CHECK(entry.dtype != nullptr, what, ": unsupported dtype '",
-              printable(dtype.get<std::string>()),
-              "' (supported: F64, F32, F16, BF16, I64, I32, I16, I8, U8, "
-              "BOOL)");
-
-  const auto& shape = info["shape"];
-  TORCH_CHECK(shape.is_array(), what, ": shape must be an array, got ",
-              shape.type_name());
-  for (const auto& dim : shape) {
-    uint64_t d = 0;
-    TORCH_CHECK(
-        json_unsigned(dim, &d) &&
-            d <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
-        what, ": shape entries must be integers >= 0, got ",
-        printable(dim.dump()));
-    entry.shape.push_back(static_cast<int64_t>(d));
-  }
-
-  const auto& offsets = info["data_offsets"];
-  TORCH_CHECK(offsets.is_array() && offsets.size() == 2 &&
-                  json_unsigned(offsets[0], &entry.begin) &&
-                  json_unsigned(offsets[1], &entry.end),
-              what, ": data_offsets must be two integers [begin, end], got ",
-              printable(offsets.dump()));
-  TORCH_CHECK(entry.begin <= entry.end && entry.end <= data_size, what,
-              ": data_offsets [", entry.begin, ", ", entry.end,
-              "] out of range: the data section holds ", data_size,
-              " bytes (expected begin <= end <= ", data_size,
-              "); is the file truncated?");
-
-  uint64_t numel = 0;
-  uint64_t nbytes = 0;
-  TORCH_CHECK(checked_numel(entry.shape, &numel) &&
-                  checked_mul(numel, element_size(*entry.dtype), &nbytes),
-              what, ": shape ", c10::IntArrayRef(entry.shape), " is too large");
-  TORCH_CHECK(entry.end - entry.begin == nbytes, what, ": data_offsets [",
-              entry.begin, ", ", entry.end, "] span ", entry.end - entry.begin,
-              " bytes, but shape ", c10::IntArrayRef(entry.shape), " of ",
-              entry.dtype->safetensors, " needs ", nbytes, " bytes");
-  return entry;
-}
-
-StateDict read_safetensors(const std::string& path, std::ifstream& in,
-                           uint64_t file_size) {
-  const std::string where = file_label(path) + " (safetensors)";
-  unsigned char length_bytes[8];
-  read_exact(in, 0, length_bytes, 8, where, "the header length");
-  uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) {
-    header_size = (header_size << 8) | length_bytes[i];
-  }
-  TORCH_CHECK(header_size <= kMaxSafetensorsHeader, where, ": header length ",
-              header_size, " exceeds the format's limit of ",
-              kMaxSafetensorsHeader, " bytes");
-  TORCH_CHECK(header_size <= file_size - 8, where, ": header length ",
-              header_size, " runs past the end of the file (", file_size,
-              " bytes: at most ", file_size - 8,
-              " after the 8-byte length); is the file truncated?");
-  std::string header(header_size, '\0');
-  read_exact(in, 8, &header[0], header_size, where, "the header");
-  TORCH_CHECK(!header.empty() && header[0] == '{', where,
-              ": the header must be a JSON object starting with '{'");
-  const size_t depth = json_depth(header);
-  TORCH_CHECK(depth <= kMaxJsonDepth, where, ": the header nests ", depth,
-              " levels deep (a safetensors header needs 3, at most ",
-              kMaxJsonDepth, " accepted)");
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(header);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, where, ": the header is not valid JSON: ", e.what());
-  }
-  TORCH_CHECK(json.is_object(), where,
-              ": the header must be a JSON object, got ", json.type_name());
-
-  const uint64_t data_start = 8 + header_size;
-  const uint64_t data_size = file_size - data_start;
-  std::vector<SafetensorsEntry> entries;
-  for (auto it = json.begin(); it != json.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      // Free-form string-to-string map (the spec); validated, then ignored.
-      TORCH_CHECK(it.value().is_object(), where,
-                  ": __metadata__ must be an object, got ",
-                  it.value().type_name());
-      for (const auto& value : it.value()) {
-        TORCH_CHECK(value.is_string(), where,
-                    ": __metadata__ values must be strings, got ",
-                    value.type_name());
-      }
-      continue;
-    }
-    entries.push_back(
-        parse_safetensors_entry(where, it.key(), it.value(), data_size));
-  }
-
-  // The tensors must cover the data section exactly: no holes, no overlaps.
-  std::sort(entries.begin(), entries.end(),
-            [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
-              return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
-            });
-  uint64_t covered = 0;
-  for (const auto& entry : entries) {
-    TORCH_CHECK(entry.begin == covered, where, ": tensor '",
-                printable(entry.name), "' occupies bytes [", entry.begin, ", ",
-                entry.end,
-                ") of the data section, but the tensors "
-                "before it end at byte ",
-                covered,
-                " (tensors must cover the data section without holes or "
-                "overlaps)");
-    covered = entry.end;
-  }
-  TORCH_CHECK(covered == data_size, where, ": the tensors cover ", covered,
-              " bytes, but the data section holds ", data_size,
-              " (the rest is not indexed by any tensor)");
-
-  StateDict result;
-  for (const auto& entry : entries) {
-    torch::Tensor t =
-        tensor_from_bytes(*entry.dtype, entry.shape, [&](void* dst) {
-          read_exact(in, data_start + entry.begin, dst, entry.end - entry.begin,
-                     where, "tensor data");
-        });
-    result.insert(entry.name, std::move(t));
-  }
-  return result;
-}
-
-/// Writes `entries` as safetensors to `file`.
-void write_safetensors(
-    const std::vector<std::pair<std::string, torch::Tensor>>& entries,
-    const std::string& file, const std::string& where) {
-  nlohmann::ordered_json header;
-  header["__metadata__"] = {{"format", "pt"}};
-  uint64_t offset = 0;
-  for (const auto& [name, t] : entries) {
-    TORCH_CHECK(name != "__metadata__", where,
-                ": '__metadata__' is reserved in safetensors and cannot name "
-                "a tensor");
-    const uint64_t nbytes = t.nbytes();
-    header[name] = {{"dtype", find_dtype(t.scalar_type())->safetensors},
-                    {"shape", t.sizes().vec()},
-                    {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
-  }
-  std::string text = header.dump();
-  // Pad with spaces so the data starts 8-byte aligned (allowed by the spec,
-  // as the reference writer does).
-  text.append((8 - text.size() % 8) % 8, ' ');
-
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(out.is_open(), where, ": cannot open '", file, "' for writing");
-  unsigned char length_bytes[8];
-  for (int i = 0; i < 8; ++i) {
-    length_bytes[i] = static_cast<unsigned char>(
-        (static_cast<uint64_t>(text.size()) >> (8 * i)) & 0xff);
-  }
-  out.write(reinterpret_cast<const char*>(length_bytes), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& entry : entries) {
-    out.write(static_cast<const char*>(entry.second.data_ptr()),
-              static_cast<std::streamsize>(entry.second.nbytes()));
-  }
-  out.close();
-  TORCH_CHECK(!out.fail(), where, ": writing '", file, "' failed");
-}
-
-// --------------------------------------------------------------------------
-// PyTorch zip files: the pickle reader.
-
-/// Loads the storage record `key` ("data/<key>") as a 1-D tensor of `numel`
-/// elements.
-using StorageLoader = std::function<torch::Tensor(
-    const std::string& key, const DtypeName& dtype, uint64_t numel)>;
-
-/// Python pickle opcodes (Python's Lib/pickletools.py documents them).
-/// Every opcode is named here so that a refused one is named in the error;
-/// only those marked (*) are accepted.
-const char* opcode_name(unsigned char op) {
-  switch (op) {
-    case '(':
-      return "MARK";  // (*)
-    case '.':
-      return "STOP";  // (*)
-    case '0':
-      return "POP";
-    case '1':
-      return "POP_MARK";
-    case '2':
-      return "DUP";
-    case 'F':
-      return "FLOAT";
-    case 'I':
-      return "INT";
-    case 'J':
-      return "BININT";  // (*)
-    case 'K':
-      return "BININT1";  // (*)
-    case 'L':
-      return "LONG";
-    case 'M':
-      return "BININT2";  // (*)
-    case 'N':
-      return "NONE";  // (*)
-    case 'P':
-      return "PERSID";
-    case 'Q':
-      return "BINPERSID";  // (*)
-    case 'R':
-      return "REDUCE";  // (*)
-    case 'S':
-      return "STRING";
-    case 'T':
-      return "BINSTRING";
-    case 'U':
-      return "SHORT_BINSTRING";
-    case 'V':
-      return "UNICODE";
-    case 'X':
-      return "BINUNICODE";  // (*)
-    case 'a':
-      return "APPEND";  // (*)
-    case 'b':
-      return "BUILD";  // (*)
-    case 'c':
-      return "GLOBAL";  // (*)
-    case 'd':
-      return "DICT";
-    case '}':
-      return "EMPTY_DICT";  // (*)
-    case 'e':
-      return "APPENDS";  // (*)
-    case 'g':
-      return "GET";
-    case 'h':
-      return "BINGET";  // (*)
-    case 'i':
-      return "INST";
-    case 'j':
-      return "LONG_BINGET";  // (*)
-    case 'l':
-      return "LIST";
-    case ']':
-      return "EMPTY_LIST";  // (*)
-    case 'o':
-      return "OBJ";
-    case 'p':
-      return "PUT";
-    case 'q':
-      return "BINPUT";  // (*)
-    case 'r':
-      return "LONG_BINPUT";  // (*)
-    case 's':
-      return "SETITEM";  // (*)
-    case 't':
-      return "TUPLE";  // (*)
-    case ')':
-      return "EMPTY_TUPLE";  // (*)
-    case 'u':
-      return "SETITEMS";  // (*)
-    case 'G':
-      return "BINFLOAT";
-    case 'B':
-      return "BINBYTES";
-    case 'C':
-      return "SHORT_BINBYTES";
-    case 0x80:
-      return "PROTO";  // (*)
-    case 0x81:
-      return "NEWOBJ";
-    case 0x82:
-      return "EXT1";
-    case 0x83:
-      return "EXT2";
-    case 0x84:
-      return "EXT4";
-    case 0x85:
-      return "TUPLE1";  // (*)
-    case 0x86:
-      return "TUPLE2";  // (*)
-    case 0x87:
-      return "TUPLE3";  // (*)
-    case 0x88:
-      return "NEWTRUE";  // (*)
-    case 0x89:
-      return "NEWFALSE";  // (*)
-    case 0x8a:
-      return "LONG1";  // (*)
-    case 0x8b:
-      return "LONG4";
-    case 0x8c:
-      return "SHORT_BINUNICODE";  // (*)
-    case 0x8d:
-      return "BINUNICODE8";  // (*)
-    case 0x8e:
-      return "BINBYTES8";
-    case 0x8f:
-      return "EMPTY_SET";
-    case 0x90:
-      return "ADDITEMS";
-    case 0x91:
-      return "FROZENSET";
-    case 0x92:
-      return "NEWOBJ_EX";
-    case 0x93:
-      return "STACK_GLOBAL";  // (*)
-    case 0x94:
-      return "MEMOIZE";  // (*)
-    case 0x95:
-      return "FRAME";  // (*)
-    case 0x96:
-      return "BYTEARRAY8";
-    case 0x97:
-      return "NEXT_BUFFER";
-    case 0x98:
-      return "READONLY_BUFFER";
-    default:
-      return "unknown";
-  }
-}
 
 /// A deliberately small unpickler for `data.pkl` of a state dict. It builds
 /// plain values (None, bool, int, str, tuple, list, dict) and, for the few
@@ -1275,208 +701,21 @@ StateDict StateDictUnpickler::run() {
   }
 }
 
-// --------------------------------------------------------------------------
-// PyTorch zip files: reading and writing.
+}  // namespace
 
-StateDict read_pytorch(const std::string& path) {
-  const std::string where = file_label(path) + " (PyTorch zip)";
-  using caffe2::serialize::PyTorchStreamReader;
-  auto reader = with_context(where, "not a readable PyTorch zip archive", [&] {
-    return std::make_unique<PyTorchStreamReader>(path);
-  });
-  auto has_record = [&](const std::string& name) {
-    return with_context(where, "reading the archive's index",
-                        [&] { return reader->hasRecord(name); });
-  };
-  auto get_record = [&](const std::string& name) {
-    return with_context(where, ("reading the record " + name).c_str(),
-                        [&] { return reader->getRecord(name); });
-  };
-
-  if (has_record("byteorder")) {
-    auto [data, size] = get_record("byteorder");
-    const std::string order(static_cast<const char*>(data.get()), size);
-    TORCH_CHECK(order == "little", where, ": byte order '", printable(order),
-                "' is not supported (only little)");
-  }
-  TORCH_CHECK(has_record("data.pkl"), where,
-              ": the archive has no data.pkl record, so it was not written "
-              "by torch.save (a TorchScript archive from torch.jit.save or "
-              "torch::save?)");
-  auto [pickle, pickle_size] = get_record("data.pkl");
-
-  StorageLoader load_storage = [&](const std::string& key,
-                                   const DtypeName& dtype, uint64_t numel) {
-    const std::string name = "data/" + key;
-    TORCH_CHECK(has_record(name), where,
-                ": data.pkl refers to the storage record '", name,
-                "', which the archive lacks");
-    const auto record = get_record(name);
-    const void* data = std::get<0>(record).get();
-    const size_t size = std::get<1>(record);
-    uint64_t nbytes = 0;
-    TORCH_CHECK(
-        checked_mul(numel, element_size(dtype), &nbytes) && nbytes == size,
-        where, ": storage record '", name, "' holds ", size,
-        " bytes, but data.pkl declares ", numel, " ", dtype.torch_name,
-        " elements (", numel, " x ", element_size(dtype), " bytes)");
-    return tensor_from_bytes(dtype, {static_cast<int64_t>(numel)},
-                             [&](void* dst) { std::memcpy(dst, data, size); });
-  };
-  StateDictUnpickler unpickler(static_cast<const char*>(pickle.get()),
-                               pickle_size, where, load_storage);
-  return unpickler.run();
+StateDict unpickle_state_dict(const char* data, size_t size, std::string where,
+                              StorageLoader load_storage) {
+  return StateDictUnpickler(data, size, std::move(where),
+                            std::move(load_storage))
+      .run();
 }
 
-/// Writes the pickle of an OrderedDict of tensors, each with its own storage
-/// record "data/<index>" (protocol 2, the opcodes and globals Python's
-/// torch.save uses for a state dict, so that torch.load reads it with
-/// weights_only=True).
-class StateDictPickler {
- public:
-  std::string run(
-      const std::vector<std::pair<std::string, torch::Tensor>>& entries) {
-    op(0x80);  // PROTO 2
-    out_.push_back(2);
-    ordered_dict();
-    if (!entries.empty()) {
-      op('(');
-      for (size_t i = 0; i < entries.size(); ++i) {
-        const torch::Tensor& t = entries[i].second;  // contiguous, CPU
-        string(entries[i].first);
-        global("torch._utils", "_rebuild_tensor_v2");
-        op('(');
-        // Persistent id: ('storage', torch.<Type>Storage, key, location,
-        // numel).
-        op('(');
-        string("storage");
-        global("torch", find_dtype(t.scalar_type())->storage);
-        string(std::to_string(i));
-        string("cpu");
-        integer(t.numel());
-        op('t');
-        op('Q');     // BINPERSID
-        integer(0);  // storage offset
-        int_tuple(t.sizes());
-        int_tuple(t.strides());
-        op(0x89);        // requires_grad: NEWFALSE
-        ordered_dict();  // backward_hooks
-        op('t');
-        op('R');
-      }
-      op('u');  // SETITEMS
-    }
-    op('.');  // STOP
-    return out_;
-  }
+}  // namespace mha::detail
 
- private:
-  void op(unsigned char c) { out_.push_back(static_cast<char>(c)); }
+namespace mha {
+namespace {
 
-  void uint(uint64_t value, int n) {
-    for (int i = 0; i < n; ++i) {
-      out_.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
-    }
-  }
-
-  void string(const std::string& s) {
-    op('X');  // BINUNICODE
-    uint(s.size(), 4);
-    out_ += s;
-  }
-
-  void integer(int64_t v) {
-    if (v >= 0 && v < 256) {
-      op('K');
-      uint(static_cast<uint64_t>(v), 1);
-    } else if (v >= 0 && v < 65536) {
-      op('M');
-      uint(static_cast<uint64_t>(v), 2);
-    } else if (v >= std::numeric_limits<int32_t>::min() &&
-               v <= std::numeric_limits<int32_t>::max()) {
-      op('J');
-      uint(static_cast<uint32_t>(static_cast<int32_t>(v)), 4);
-    } else {
-      op(0x8a);  // LONG1, 8 bytes of two's complement
-      uint(8, 1);
-      uint(static_cast<uint64_t>(v), 8);
-    }
-  }
-
-  void int_tuple(c10::IntArrayRef values) {
-    if (values.empty()) {
-      op(')');
-      return;
-    }
-    op('(');
-    for (const int64_t v : values) {
-      integer(v);
-    }
-    op('t');
-  }
-
-  /// GLOBAL, memoized: written once, fetched with BINGET afterwards.
-  void global(const std::string& module, const std::string& name) {
-    const std::string key = module + "\n" + name + "\n";
-    const auto it = memo_.find(key);
-    if (it != memo_.end()) {
-      if (it->second < 256) {
-        op('h');
-        uint(it->second, 1);
-      } else {
-        op('j');
-        uint(it->second, 4);
-      }
-      return;
-    }
-    op('c');
-    out_ += key;
-    const uint64_t index = memo_.size();
-    memo_[key] = index;
-    if (index < 256) {
-      op('q');
-      uint(index, 1);
-    } else {
-      op('r');
-      uint(index, 4);
-    }
-  }
-
-  /// collections.OrderedDict()
-  void ordered_dict() {
-    global("collections", "OrderedDict");
-    op(')');
-    op('R');
-  }
-
-  std::string out_;
-  std::unordered_map<std::string, uint64_t> memo_;
-};
-
-void write_pytorch(
-    const std::vector<std::pair<std::string, torch::Tensor>>& entries,
-    const std::string& file, const std::string& where) {
-  const std::string pickle = StateDictPickler().run(entries);
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(out.is_open(), where, ": cannot open '", file, "' for writing");
-  with_context(where, "writing the zip archive", [&] {
-    caffe2::serialize::PyTorchStreamWriter writer(
-        [&out](const void* data, size_t n) -> size_t {
-          out.write(static_cast<const char*>(data),
-                    static_cast<std::streamsize>(n));
-          return out.good() ? n : 0;
-        });
-    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
-    writer.writeRecord("byteorder", "little", 6);
-    for (size_t i = 0; i < entries.size(); ++i) {
-      const torch::Tensor& t = entries[i].second;
-      writer.writeRecord("data/" + std::to_string(i), t.data_ptr(), t.nbytes());
-    }
-    writer.writeEndOfFile();
-  });
-  out.close();
-  TORCH_CHECK(!out.fail(), where, ": writing '", file, "' failed");
-}
+using detail::StateDict;
 
 // --------------------------------------------------------------------------
 // Modules.
@@ -1527,7 +766,7 @@ torch::OrderedDict<std::string, torch::Tensor> state_dict(
 
 torch::OrderedDict<std::string, torch::Tensor> read_state_dict(
     const std::string& path) {
-  const std::string where = file_label(path);
+  const std::string where = detail::file_label(path);
   std::error_code error;
   TORCH_CHECK(std::filesystem::exists(path, error), where, ": no such file");
   TORCH_CHECK(std::filesystem::is_regular_file(path, error), where,
@@ -1539,14 +778,14 @@ torch::OrderedDict<std::string, torch::Tensor> read_state_dict(
   TORCH_CHECK(file_size >= 8, where, ": the file has ", file_size,
               " bytes, too short for a safetensors or PyTorch file");
   unsigned char magic[9] = {};
-  read_exact(in, 0, magic, std::min<uint64_t>(file_size, 9), where,
-             "the first bytes");
+  detail::read_exact(in, 0, magic, std::min<uint64_t>(file_size, 9), where,
+                     "the first bytes");
   if (magic[0] == 'P' && magic[1] == 'K') {
     in.close();
-    return read_pytorch(path);
+    return detail::read_pytorch(path);
   }
   if (file_size > 8 && magic[8] == '{') {
-    return read_safetensors(path, in, file_size);
+    return detail::read_safetensors(path, in, file_size);
   }
   TORCH_CHECK(magic[0] != 0x80, where,
               ": a legacy (non-zip) PyTorch file, as torch.save writes with "
@@ -1556,34 +795,35 @@ torch::OrderedDict<std::string, torch::Tensor> read_state_dict(
               ": unrecognized format: expected a safetensors file (8-byte "
               "header length, then '{') or a PyTorch zip file (starting "
               "with 'PK'); the file starts with '",
-              printable(std::string(reinterpret_cast<char*>(magic), 8)), "'");
+              detail::printable(std::string(reinterpret_cast<char*>(magic), 8)),
+              "'");
 }
 
 void write_state_dict(
     const torch::OrderedDict<std::string, torch::Tensor>& tensors,
     const std::string& path) {
-  const std::string where = file_label(path);
+  const std::string where = detail::file_label(path);
   // Everything is checked and copied to contiguous CPU memory first, so
   // that the writers below cannot fail halfway on a bad tensor.
-  std::vector<std::pair<std::string, torch::Tensor>> entries;
+  detail::TensorEntries entries;
   for (const auto& item : tensors) {
     const torch::Tensor& t = item.value();
     TORCH_CHECK(t.defined(), where, ": tensor '", item.key(), "' is undefined");
     TORCH_CHECK(t.layout() == torch::kStrided && !t.is_quantized(), where,
                 ": tensor '", item.key(), "' has layout ", t.layout(),
                 "; only dense (strided) tensors can be saved");
-    TORCH_CHECK(find_dtype(t.scalar_type()) != nullptr, where, ": tensor '",
-                item.key(), "' has dtype ", t.scalar_type(),
-                "; supported: ", supported_dtypes());
+    TORCH_CHECK(detail::find_dtype(t.scalar_type()) != nullptr, where,
+                ": tensor '", item.key(), "' has dtype ", t.scalar_type(),
+                "; supported: ", detail::supported_dtypes());
     entries.emplace_back(item.key(), t.detach().to(torch::kCPU).contiguous());
   }
   const bool safetensors = ends_with(path, ".safetensors");
   const std::string temporary = path + ".tmp";
   try {
     if (safetensors) {
-      write_safetensors(entries, temporary, where);
+      detail::write_safetensors(entries, temporary, where);
     } else {
-      write_pytorch(entries, temporary, where);
+      detail::write_pytorch(entries, temporary, where);
     }
     std::error_code error;
     std::filesystem::rename(temporary, path, error);
@@ -1623,7 +863,7 @@ LoadResult load_state_dict(torch::nn::Module& module, const std::string& path,
                                      !result.unexpected_keys.empty());
   if (key_errors || !mismatches.empty()) {
     std::string message =
-        "load_state_dict: " + file_label(path) +
+        "load_state_dict: " + detail::file_label(path) +
         " does not fit the module (strict=" + (strict ? "true" : "false") +
         "); nothing loaded:";
     if (key_errors && !result.missing_keys.empty()) {
