@@ -1,6 +1,6 @@
 // Internal, the pickle layer of state-dict I/O: reading and writing
 // `data.pkl`, the Python pickle that a PyTorch zip file holds next to its
-// storage records. Reader in state_dict.cpp for now (opcode names in
+// storage records. Reader in pickle_reader.cpp (opcode names in
 // pickle_opcodes.cpp), writer in pickle_writer.cpp. Depends on tensor_file.h.
 // Not installed.
 #pragma once
