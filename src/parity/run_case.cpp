@@ -220,6 +220,17 @@ torch::Tensor leaf(const torch::Tensor& t, torch::ScalarType dtype) {
 using LossFn = std::function<torch::Tensor(
     const torch::Tensor&, const torch::Tensor&, torch::ScalarType)>;
 
+/// `mask` (float (L, S) or undefined) plus a float causal mask, -inf above
+/// the diagonal: how torch::nn, which has no is_causal, is given one.
+torch::Tensor plus_float_causal(const torch::Tensor& mask, int64_t L, int64_t S,
+                                const torch::TensorOptions& on) {
+  auto causal =
+      torch::zeros({L, S}, on)
+          .masked_fill(torch::ones({L, S}, on.dtype(torch::kBool)).triu(1),
+                       -kInf);
+  return mask.defined() ? mask + causal : causal;
+}
+
 /// Runs torch::nn::MultiheadAttention on the weights of `ours` and the
 /// case's inputs, back-propagates `loss_of`, and returns the compared tensors
 /// in run_case's order. torch::nn takes (L, N, E), has no is_causal, and
@@ -246,12 +257,7 @@ Parts run_torch_nn(const Case& c,
   auto rv = c.self_attention ? rq : leaf(in.value, dtype);
   torch::Tensor attn = in.attn_mask;
   if (c.is_causal) {
-    auto on = in.query.options();
-    auto causal =
-        torch::zeros({L, S}, on)
-            .masked_fill(torch::ones({L, S}, on.dtype(torch::kBool)).triu(1),
-                         -kInf);
-    attn = attn.defined() ? attn + causal : causal;
+    attn = plus_float_causal(attn, L, S, in.query.options());
     note = "is_causal passed to torch::nn as a float attn_mask";
   }
   auto [r_out, r_w] = ref->forward(
@@ -372,12 +378,7 @@ Parts run_torch_nn_encoder(
   auto rx = leaf(in.query, dtype);
   torch::Tensor src_mask = in.attn_mask;
   if (c.is_causal) {
-    auto on = in.query.options();
-    auto causal =
-        torch::zeros({L, L}, on)
-            .masked_fill(torch::ones({L, L}, on.dtype(torch::kBool)).triu(1),
-                         -kInf);
-    src_mask = src_mask.defined() ? src_mask + causal : causal;
+    src_mask = plus_float_causal(src_mask, L, L, in.query.options());
     note = "is_causal passed to torch::nn as a float src_mask";
   }
   auto out = ref->forward(rx.transpose(0, 1), src_mask, in.key_padding_mask)
