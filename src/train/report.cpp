@@ -7,12 +7,11 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <sstream>
 #include <utility>
 
-#include "../xml_escape.h"
+#include "../svg.h"
 #include "common.h"
 
 namespace mha::train {
@@ -23,18 +22,6 @@ using detail::printf_string;
 // ------------------------------------------------------------ loss curve ---
 
 namespace {
-
-std::ofstream open_for_writing(const std::string& path, const char* what) {
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(file.good(), what, ": cannot write '", path, "'");
-  return file;
-}
-
-void finish_writing(std::ofstream& file, const std::string& path,
-                    const char* what) {
-  file.close();
-  TORCH_CHECK(!file.fail(), what, ": error while writing '", path, "'");
-}
 
 /// Round tick positions covering [lo, hi], about `target` of them.
 std::vector<double> linear_ticks(double lo, double hi, int target) {
@@ -84,7 +71,7 @@ std::vector<double> log_ticks(double lo, double hi) {
 
 void write_loss_csv(const std::vector<LossRecord>& records,
                     const std::string& path) {
-  auto file = open_for_writing(path, "write_loss_csv");
+  std::ostringstream file;
   file << "step,lr,train_loss,val_loss,tokens_per_s,elapsed_s\n";
   for (const auto& r : records) {
     file << r.step << ',' << exact_decimal(r.lr) << ','
@@ -93,7 +80,7 @@ void write_loss_csv(const std::vector<LossRecord>& records,
          << printf_string("%.1f", r.tokens_per_s) << ','
          << printf_string("%.3f", r.elapsed_s) << '\n';
   }
-  finish_writing(file, path, "write_loss_csv");
+  mha::detail::write_text_file(path, file.str(), "write_loss_csv");
 }
 
 void write_loss_svg(const std::vector<LossRecord>& records,
@@ -167,68 +154,68 @@ void write_loss_svg(const std::vector<LossRecord>& records,
           py(std::exp(ema / ema_weight)));
     }
   }
-  std::string val_points, val_marks;
+  std::string val_points;
   for (const auto& r : records) {
     if (plottable(r.val_loss)) {
-      const double x = px(static_cast<double>(r.step)), y = py(r.val_loss);
-      val_points += printf_string("%.1f,%.1f ", x, y);
-      val_marks += printf_string(
-          "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"#e6550d\"/>\n", x,
-          y);
+      val_points += printf_string("%.1f,%.1f ", px(static_cast<double>(r.step)),
+                                  py(r.val_loss));
     }
   }
 
-  std::ostringstream svg;
-  svg << printf_string(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" "
-      "height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
-      "font-family=\"sans-serif\" font-size=\"12\">\n",
-      kWidth, kHeight, kWidth, kHeight, kWidth, kHeight);
-  svg << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  svg << printf_string(
-      "<text x=\"%.1f\" y=\"26\" text-anchor=\"middle\" font-size=\"15\">",
-      kWidth / 2);
-  svg << mha::detail::xml_escape(title) << "</text>\n";
+  auto f1 = [](double v) { return mha::detail::svg_number(v, 1); };
+  mha::detail::SvgWriter svg(kWidth, kHeight, /*font_size=*/12);
+  svg.rect({{"width", "100%"}, {"height", "100%"}, {"fill", "white"}});
+  svg.text({{"x", f1(kWidth / 2)},
+            {"y", "26"},
+            {"text-anchor", "middle"},
+            {"font-size", "15"}},
+           title);
   // Grid and tick labels.
   for (const double t : linear_ticks(x0, x1, 8)) {
     const double x = px(t);
-    svg << printf_string(
-        "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
-        "stroke=\"#e5e5e5\"/>\n<text x=\"%.1f\" y=\"%.1f\" "
-        "text-anchor=\"middle\">%.0f</text>\n",
-        x, kTop, x, kTop + kPlotH, x, kTop + kPlotH + 16, t);
+    svg.line(x, kTop, x, kTop + kPlotH, {{"stroke", "#e5e5e5"}});
+    svg.text({{"x", f1(x)},
+              {"y", f1(kTop + kPlotH + 16)},
+              {"text-anchor", "middle"}},
+             printf_string("%.0f", t));
   }
   for (const double t : log_ticks(y0, y1)) {
     const double y = py(t);
-    svg << printf_string(
-        "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
-        "stroke=\"#e5e5e5\"/>\n<text x=\"%.1f\" y=\"%.1f\" "
-        "text-anchor=\"end\">%g</text>\n",
-        kLeft, y, kLeft + kPlotW, y, kLeft - 6, y + 4, t);
+    svg.line(kLeft, y, kLeft + kPlotW, y, {{"stroke", "#e5e5e5"}});
+    svg.text({{"x", f1(kLeft - 6)}, {"y", f1(y + 4)}, {"text-anchor", "end"}},
+             printf_string("%g", t));
   }
-  svg << printf_string(
-      "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
-      "fill=\"none\" stroke=\"#333\"/>\n",
-      kLeft, kTop, kPlotW, kPlotH);
-  svg << printf_string(
-      "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step</text>\n",
-      kLeft + kPlotW / 2, kHeight - 14);
-  svg << printf_string(
-      "<text transform=\"translate(18 %.1f) rotate(-90)\" "
-      "text-anchor=\"middle\">loss (nats per token, log scale)</text>\n",
-      kTop + kPlotH / 2);
+  svg.rect({{"x", f1(kLeft)},
+            {"y", f1(kTop)},
+            {"width", f1(kPlotW)},
+            {"height", f1(kPlotH)},
+            {"fill", "none"},
+            {"stroke", "#333"}});
+  svg.text({{"x", f1(kLeft + kPlotW / 2)},
+            {"y", f1(kHeight - 14)},
+            {"text-anchor", "middle"}},
+           "step");
+  svg.text(
+      {{"transform", "translate(18 " + f1(kTop + kPlotH / 2) + ") rotate(-90)"},
+       {"text-anchor", "middle"}},
+      "loss (nats per token, log scale)");
   // Curves.
-  svg << "<polyline fill=\"none\" stroke=\"#9ecae1\" stroke-width=\"1\" "
-         "points=\""
-      << raw_points << "\"/>\n";
-  svg << "<polyline fill=\"none\" stroke=\"#08519c\" stroke-width=\"2\" "
-         "points=\""
-      << smooth_points << "\"/>\n";
+  svg.polyline({{"fill", "none"}, {"stroke", "#9ecae1"}, {"stroke-width", "1"}},
+               raw_points);
+  svg.polyline({{"fill", "none"}, {"stroke", "#08519c"}, {"stroke-width", "2"}},
+               smooth_points);
   if (!val_points.empty()) {
-    svg << "<polyline fill=\"none\" stroke=\"#e6550d\" stroke-width=\"1.5\" "
-           "points=\""
-        << val_points << "\"/>\n"
-        << val_marks;
+    svg.polyline(
+        {{"fill", "none"}, {"stroke", "#e6550d"}, {"stroke-width", "1.5"}},
+        val_points);
+    for (const auto& r : records) {
+      if (plottable(r.val_loss)) {
+        svg.element("circle", {{"cx", f1(px(static_cast<double>(r.step)))},
+                               {"cy", f1(py(r.val_loss))},
+                               {"r", "3.5"},
+                               {"fill", "#e6550d"}});
+      }
+    }
   }
   // Legend, top right.
   const double lx = kLeft + kPlotW - 214, ly = kTop + 12;
@@ -236,24 +223,20 @@ void write_loss_svg(const std::vector<LossRecord>& records,
       {{"#9ecae1", "training loss"},
        {"#08519c", "training loss, moving average"},
        {"#e6550d", "validation loss"}}};
-  svg << printf_string(
-      "<rect x=\"%.1f\" y=\"%.1f\" width=\"206\" height=\"58\" "
-      "fill=\"white\" fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n",
-      lx - 6, ly - 8);
+  svg.rect({{"x", f1(lx - 6)},
+            {"y", f1(ly - 8)},
+            {"width", "206"},
+            {"height", "58"},
+            {"fill", "white"},
+            {"fill-opacity", "0.85"},
+            {"stroke", "#ccc"}});
   for (size_t i = 0; i < legend.size(); ++i) {
     const double y = ly + 18.0 * static_cast<double>(i);
-    svg << printf_string(
-        "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
-        "stroke=\"%s\" stroke-width=\"3\"/>\n<text x=\"%.1f\" "
-        "y=\"%.1f\">%s</text>\n",
-        lx, y + 2, lx + 20, y + 2, legend[i].first, lx + 26, y + 6,
-        legend[i].second);
+    svg.line(lx, y + 2, lx + 20, y + 2,
+             {{"stroke", legend[i].first}, {"stroke-width", "3"}});
+    svg.text({{"x", f1(lx + 26)}, {"y", f1(y + 6)}}, legend[i].second);
   }
-  svg << "</svg>\n";
-
-  auto file = open_for_writing(path, "write_loss_svg");
-  file << svg.str();
-  finish_writing(file, path, "write_loss_svg");
+  mha::detail::write_text_file(path, svg.finish(), "write_loss_svg");
 }
 
 }  // namespace mha::train
