@@ -23,7 +23,7 @@
 #define MHA_HAS_FUSED_SDPA 0
 #endif
 
-// c10d (src/distributed.cpp): from 2.0 the collective backends such as
+// c10d (src/train/distributed.cpp): from 2.0 the collective backends such as
 // ProcessGroupGloo derive from c10d::Backend (ProcessGroup became a
 // dispatcher over backends); in 1.x they derive from c10d::ProcessGroup.
 #if MHA_TORCH_VERSION_AT_LEAST(2, 0)

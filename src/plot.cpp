@@ -3,16 +3,13 @@
 
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <fstream>
 #include <iomanip>
 #include <sstream>
 
-#include "xml_escape.h"
+#include "svg.h"
 
 namespace mha::plot {
 namespace {
@@ -129,87 +126,92 @@ std::string heatmap_svg(const torch::Tensor& weights,
                               20 + 8 * static_cast<int>(options.title.size())});
   const int height = title_h + static_cast<int>(grid_rows) * panel_h + legend_h;
 
-  std::ostringstream svg;
-  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width
-      << "\" height=\"" << height << "\" viewBox=\"0 0 " << width << ' '
-      << height << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
-      << "<defs><pattern id=\"masked\" width=\"6\" height=\"6\" "
-         "patternUnits=\"userSpaceOnUse\" patternTransform=\"rotate(45)\">"
-         "<rect width=\"6\" height=\"6\" fill=\"#e0e0e0\"/>"
-         "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#a0a0a0\" "
-         "stroke-width=\"2\"/></pattern></defs>\n"
-      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  const auto n = [](int64_t v) { return std::to_string(v); };
+  detail::SvgWriter svg(width, height, /*font_size=*/11,
+                        /*xml_declaration=*/true);
+  svg.raw(
+      "<defs><pattern id=\"masked\" width=\"6\" height=\"6\" "
+      "patternUnits=\"userSpaceOnUse\" patternTransform=\"rotate(45)\">"
+      "<rect width=\"6\" height=\"6\" fill=\"#e0e0e0\"/>"
+      "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#a0a0a0\" "
+      "stroke-width=\"2\"/></pattern></defs>\n");
+  svg.rect({{"width", "100%"}, {"height", "100%"}, {"fill", "white"}});
   if (!options.title.empty()) {
-    svg << "<text x=\"10\" y=\"19\" font-size=\"14\">"
-        << detail::xml_escape(options.title) << "</text>\n";
+    svg.text({{"x", "10"}, {"y", "19"}, {"font-size", "14"}}, options.title);
   }
   const auto* data = w.data_ptr<double>();
   for (int64_t h = 0; h < H; ++h) {
     const int x0 = static_cast<int>(h % columns) * panel_w;
     const int y0 = title_h + static_cast<int>(h / columns) * panel_h;
-    svg << "<g class=\"panel\" data-head=\"" << h << "\" transform=\"translate("
-        << x0 << ',' << y0 << ")\">\n"
-        << "<text x=\"" << left << "\" y=\"14\" font-size=\"12\">"
-        << detail::xml_escape(panel_title(options, h)) << "</text>\n";
+    svg.open("g", {{"class", "panel"},
+                   {"data-head", n(h)},
+                   {"transform", "translate(" + n(x0) + "," + n(y0) + ")"}});
+    svg.text({{"x", n(left)}, {"y", "14"}, {"font-size", "12"}},
+             panel_title(options, h));
     for (int64_t j = 0; j < S; ++j) {
       const int x = left + static_cast<int>(j) * cell + cell / 2 + 4;
-      svg << "<text transform=\"translate(" << x << ',' << top - 4
-          << ") rotate(-90)\">"
-          << detail::xml_escape(label(options.col_labels, j)) << "</text>\n";
+      svg.text({{"transform",
+                 "translate(" + n(x) + "," + n(top - 4) + ") rotate(-90)"}},
+               label(options.col_labels, j));
     }
     for (int64_t i = 0; i < L; ++i) {
       const int y = top + static_cast<int>(i) * cell;
-      svg << "<text x=\"" << left - 4 << "\" y=\"" << y + cell / 2 + 4
-          << "\" text-anchor=\"end\">"
-          << detail::xml_escape(label(options.row_labels, i)) << "</text>\n";
+      svg.text({{"x", n(left - 4)},
+                {"y", n(y + cell / 2 + 4)},
+                {"text-anchor", "end"}},
+               label(options.row_labels, i));
       for (int64_t j = 0; j < S; ++j) {
         const double v = data[(h * L + i) * S + j];
         const bool masked = v == 0.0;
-        svg << "<rect class=\"cell" << (masked ? " masked" : "")
-            << "\" data-head=\"" << h << "\" data-row=\"" << i
-            << "\" data-col=\"" << j << "\" x=\""
-            << left + static_cast<int>(j) * cell << "\" y=\"" << y
-            << "\" width=\"" << cell << "\" height=\"" << cell << "\" fill=\""
-            << (masked ? "url(#masked)" : viridis(v / vmax)) << "\"><title>"
-            << number(v) << "</title></rect>\n";
+        svg.element("rect",
+                    {{"class", masked ? "cell masked" : "cell"},
+                     {"data-head", n(h)},
+                     {"data-row", n(i)},
+                     {"data-col", n(j)},
+                     {"x", n(left + static_cast<int>(j) * cell)},
+                     {"y", n(y)},
+                     {"width", n(cell)},
+                     {"height", n(cell)},
+                     {"fill", masked ? "url(#masked)" : viridis(v / vmax)}},
+                    "<title>" + number(v) + "</title>");
       }
     }
-    svg << "</g>\n";
+    svg.close("g");
   }
   // Legend: the colour scale from 0 to vmax, and the masked swatch.
   const int ly = title_h + static_cast<int>(grid_rows) * panel_h + 8;
   const int bar = 160;
-  svg << "<g class=\"legend\" transform=\"translate(10," << ly << ")\">\n"
-      << "<defs><linearGradient id=\"scale\">";
+  svg.open("g",
+           {{"class", "legend"}, {"transform", "translate(10," + n(ly) + ")"}});
+  std::string stops;
   for (int k = 0; k <= 8; ++k) {
-    svg << "<stop offset=\"" << k * 12.5 << "%\" stop-color=\""
-        << viridis(k / 8.0) << "\"/>";
+    std::ostringstream offset;
+    offset << k * 12.5;
+    stops += "<stop offset=\"" + offset.str() + "%\" stop-color=\"" +
+             viridis(k / 8.0) + "\"/>";
   }
-  svg << "</linearGradient></defs>\n"
-      << "<rect width=\"" << bar
-      << "\" height=\"12\" fill=\"url(#scale)\" stroke=\"#666\"/>\n"
-      << "<text x=\"0\" y=\"26\">&gt; 0</text>\n"
-      << "<text x=\"" << bar << "\" y=\"26\" text-anchor=\"end\">"
-      << number(vmax) << "</text>\n"
-      << "<rect x=\"" << bar + 20
-      << "\" width=\"12\" height=\"12\" fill=\"url(#masked)\" "
-         "stroke=\"#666\"/>\n"
-      << "<text x=\"" << bar + 38 << "\" y=\"10\">exactly 0 (masked)</text>\n"
-      << "</g>\n</svg>\n";
-  return svg.str();
+  svg.raw("<defs><linearGradient id=\"scale\">" + stops +
+          "</linearGradient></defs>\n");
+  svg.rect({{"width", n(bar)},
+            {"height", "12"},
+            {"fill", "url(#scale)"},
+            {"stroke", "#666"}});
+  svg.text({{"x", "0"}, {"y", "26"}}, "> 0");
+  svg.text({{"x", n(bar)}, {"y", "26"}, {"text-anchor", "end"}}, number(vmax));
+  svg.rect({{"x", n(bar + 20)},
+            {"width", "12"},
+            {"height", "12"},
+            {"fill", "url(#masked)"},
+            {"stroke", "#666"}});
+  svg.text({{"x", n(bar + 38)}, {"y", "10"}}, "exactly 0 (masked)");
+  svg.close("g");
+  return svg.finish();
 }
 
 void write_heatmap_svg(const torch::Tensor& weights, const std::string& path,
                        const HeatmapOptions& options) {
-  const auto svg = heatmap_svg(weights, options);
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(file.good(), "write_heatmap_svg: cannot open '", path,
-              "' for writing: ", std::strerror(errno));
-  file << svg;
-  file.close();
-  TORCH_CHECK(!file.fail(), "write_heatmap_svg: writing '", path,
-              "' failed: ", std::strerror(errno));
+  detail::write_text_file(path, heatmap_svg(weights, options),
+                          "write_heatmap_svg");
 }
 
 std::string heatmap_text(const torch::Tensor& weights, TerminalStyle style,

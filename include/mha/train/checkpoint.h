@@ -1,0 +1,46 @@
+// Checkpoints of a training run (part of mha/train.h): where a run's files
+// go, and saving and restoring everything exact resume needs.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "mha/train/report.h"
+
+namespace mha::train {
+
+/// The paths of a run's files under out_dir: checkpoint/model.safetensors
+/// (the weights, for mha::load_state_dict), checkpoint/trainer.pt (optimizer,
+/// step, RNG state, loss history, fingerprint; LibTorch serialization),
+/// loss.csv and loss.svg.
+struct RunFiles {
+  explicit RunFiles(const std::string& out_dir);
+  std::string checkpoint_dir;
+  std::string model;
+  std::string trainer;
+  std::string loss_csv;
+  std::string loss_svg;
+};
+
+/// Saves a checkpoint under `files.checkpoint_dir` (see RunFiles): written
+/// into a temporary directory, then renamed over the old one. `history` is
+/// every record so far; its last step is the checkpoint's step.
+void save_checkpoint(const RunFiles& files, const torch::nn::Module& model,
+                     torch::optim::Optimizer& optimizer,
+                     const std::vector<LossRecord>& history,
+                     const std::string& fingerprint);
+
+/// Restores a checkpoint written by save_checkpoint into `model` and
+/// `optimizer` (tensors go to the model's device), restores LibTorch's
+/// default CPU generator, and returns the history (its last step is the
+/// checkpoint's step). Throws c10::Error naming the directory if there is no
+/// checkpoint, or if its fingerprint differs from `fingerprint` (both are
+/// shown).
+std::vector<LossRecord> load_checkpoint(const RunFiles& files,
+                                        torch::nn::Module& model,
+                                        torch::optim::Optimizer& optimizer,
+                                        const std::string& fingerprint);
+
+}  // namespace mha::train

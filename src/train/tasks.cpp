@@ -1,0 +1,314 @@
+// The training tasks: TrainTask and its shards, the digit task and the
+// character language model task (batches, losses, fingerprints, samples,
+// attention maps).
+// Glossary: N batch, L sequence length (digit tasks), T context length (the
+// character model), E model width, V vocabulary size, C classes.
+#include "mha/train/tasks.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <utility>
+
+#include "common.h"
+#include "mha/plot.h"
+
+namespace mha::train {
+
+namespace F = torch::nn::functional;
+using detail::exact_decimal;
+using detail::fnv1a;
+using detail::masked_cross_entropy_sum;
+using detail::printf_string;
+
+// ------------------------------------------------------------ tasks ---
+
+std::pair<int64_t, int64_t> Shard::rows(int64_t rows) const {
+  return {rows * index / count, rows * (index + 1) / count};
+}
+
+double TrainTask::validation_loss() { return validation_loss_sum().mean(); }
+
+void TrainTask::set_shard(const Shard& shard) {
+  TORCH_CHECK(shard.count >= 1 && shard.index >= 0 && shard.index < shard.count,
+              "TrainTask::set_shard: need 0 <= index < count, but got index ",
+              shard.index, " and count ", shard.count);
+  shard_ = shard;
+}
+
+DigitTask::DigitTask(const DigitDataOptions& data,
+                     const DigitTransformerOptions& model_options,
+                     int64_t batch_size, uint64_t seed, torch::Device device)
+    : data_(data),
+      batch_size_(batch_size),
+      seed_(seed),
+      device_(device),
+      model_(nullptr) {
+  TORCH_CHECK(batch_size >= 1, "DigitTask: batch_size must be >= 1, but got ",
+              batch_size);
+  TORCH_CHECK(model_options.max_len() >= data.max_len(),
+              "DigitTask: the model's max_len (", model_options.max_len(),
+              ") must be >= the data's max_len (", data.max_len(), ")");
+  torch::manual_seed(derive_seed(seed, 0, SeedStream::kModelInit));
+  model_ = DigitTransformer(model_options);
+  model_->to(device_);
+  val_batch_ = make_digit_batch(data_, /*batch_size=*/500,
+                                derive_seed(seed_, 0, SeedStream::kEvalData));
+}
+
+std::string DigitTask::name() const {
+  return printf_string("%s digit sequences of length %lld-%lld",
+                       data_.rule() == DigitRule::kReverse ? "reverse" : "sort",
+                       static_cast<long long>(data_.min_len()),
+                       static_cast<long long>(data_.max_len()));
+}
+
+BatchLoss DigitTask::training_loss(int64_t step) {
+  const auto batch = make_digit_batch(
+      data_, batch_size_, derive_seed(seed_, step, SeedStream::kTrainData));
+  const auto [first, last] = shard().rows(batch_size_);
+  auto rows = [&, first = first, last = last](const torch::Tensor& t) {
+    return t.narrow(0, first, last - first).to(device_);  // (rows, L)
+  };
+  auto logits = model_(rows(batch.input), rows(batch.padding));  // (n, L, 10)
+  return {masked_cross_entropy(logits, rows(batch.target)),
+          batch.lengths.narrow(0, first, last - first).sum().item<int64_t>()};
+}
+
+LossSum DigitTask::validation_loss_sum() {
+  const auto [first, last] = shard().rows(val_batch_.input.size(0));
+  if (first == last) {
+    return {};
+  }
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  auto rows = [&, first = first, last = last](const torch::Tensor& t) {
+    return t.narrow(0, first, last - first).to(device_);  // (rows, L)
+  };
+  auto logits =
+      model_(rows(val_batch_.input), rows(val_batch_.padding));  // (n, L, 10)
+  const auto [summed, tokens] =
+      masked_cross_entropy_sum(logits, rows(val_batch_.target));
+  model_->train();
+  return {summed.item<double>(), tokens.item<int64_t>()};
+}
+
+DigitTask::Accuracy DigitTask::accuracy(int64_t num_sequences) {
+  TORCH_CHECK(num_sequences >= 1,
+              "DigitTask::accuracy: num_sequences must be >= 1, but got ",
+              num_sequences);
+  torch::NoGradGuard no_grad;
+  const bool was_training = model_->is_training();
+  model_->eval();
+  const auto held_out = make_digit_batch(
+      data_, num_sequences, derive_seed(seed_, 0, SeedStream::kEvalData));
+  int64_t right_sequences = 0, right_digits = 0, digits = 0;
+  constexpr int64_t kChunk = 1000;
+  for (int64_t begin = 0; begin < num_sequences; begin += kChunk) {
+    const int64_t n = std::min(kChunk, num_sequences - begin);
+    auto input = held_out.input.narrow(0, begin, n).to(device_);      // (n, L)
+    auto padding = held_out.padding.narrow(0, begin, n).to(device_);  // (n, L)
+    auto target = held_out.target.narrow(0, begin, n).to(device_);    // (n, L)
+    auto predicted = model_(input, padding).argmax(-1);               // (n, L)
+    auto right = (predicted == target) & padding.logical_not();       // (n, L)
+    right_digits += right.sum().item<int64_t>();
+    digits += padding.logical_not().sum().item<int64_t>();
+    right_sequences +=
+        (right | padding).all(/*dim=*/1).sum().item<int64_t>();  // (n) → ()
+  }
+  model_->train(was_training);
+  Accuracy result;
+  result.sequence = static_cast<double>(right_sequences) / num_sequences;
+  result.token =
+      static_cast<double>(right_digits) / std::max<int64_t>(digits, 1);
+  result.num_sequences = num_sequences;
+  return result;
+}
+
+std::string DigitTask::fingerprint() const {
+  const auto& m = model_->options;
+  return printf_string(
+      "task=%s min_len=%lld max_len=%lld d_model=%lld nhead=%lld "
+      "num_layers=%lld dim_feedforward=%lld dropout=%s batch_size=%lld "
+      "seed=%llu",
+      data_.rule() == DigitRule::kReverse ? "reverse" : "sort",
+      static_cast<long long>(data_.min_len()),
+      static_cast<long long>(data_.max_len()),
+      static_cast<long long>(m.d_model()), static_cast<long long>(m.nhead()),
+      static_cast<long long>(m.num_layers()),
+      static_cast<long long>(m.dim_feedforward()),
+      exact_decimal(m.dropout()).c_str(), static_cast<long long>(batch_size_),
+      static_cast<unsigned long long>(seed_));
+}
+
+CharLMTask::CharLMTask(CharCorpus corpus, const CharLMOptions& model_options,
+                       int64_t batch_size, uint64_t seed, torch::Device device)
+    : corpus_(std::move(corpus)),
+      batch_size_(batch_size),
+      seed_(seed),
+      device_(device),
+      model_(nullptr) {
+  TORCH_CHECK(batch_size >= 1, "CharLMTask: batch_size must be >= 1, but got ",
+              batch_size);
+  TORCH_CHECK(
+      model_options.vocab_size() == corpus_.vocab.size(),
+      "CharLMTask: the model's vocab_size (", model_options.vocab_size(),
+      ") must equal the corpus's vocabulary size (", corpus_.vocab.size(), ")");
+  TORCH_CHECK(corpus_.train.size(0) > model_options.block_size() &&
+                  corpus_.val.size(0) > model_options.block_size(),
+              "CharLMTask: the training (", corpus_.train.size(0),
+              " characters) and validation (", corpus_.val.size(0),
+              " characters) parts must be longer than the context (",
+              model_options.block_size(), ")");
+  torch::manual_seed(derive_seed(seed, 0, SeedStream::kModelInit));
+  model_ = CharLM(model_options);
+  model_->to(device_);
+}
+
+std::string CharLMTask::name() const {
+  return printf_string(
+      "character language model (%lld characters)",
+      static_cast<long long>(corpus_.train.size(0) + corpus_.val.size(0)));
+}
+
+BatchLoss CharLMTask::training_loss(int64_t step) {
+  const int64_t T = model_->options.block_size();
+  const auto [input, target] =
+      sample_char_batch(corpus_.train, batch_size_, T,
+                        derive_seed(seed_, step, SeedStream::kTrainData));
+  const auto [first, last] = shard().rows(batch_size_);
+  auto logits =
+      model_(input.narrow(0, first, last - first).to(device_));  // (n, T, V)
+  auto loss = F::cross_entropy(
+      logits.reshape({-1, logits.size(2)}),
+      target.narrow(0, first, last - first).to(device_).reshape({-1}));  // ()
+  return {loss, (last - first) * T};
+}
+
+LossSum CharLMTask::validation_loss_sum() {
+  const int64_t T = model_->options.block_size();
+  const int64_t windows = (corpus_.val.size(0) - 1) / T;
+  const auto [first, last] = shard().rows(windows);
+  if (first == last) {
+    return {};
+  }
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  auto input = corpus_.val.narrow(0, 0, windows * T).view({windows, T});
+  auto target = corpus_.val.narrow(0, 1, windows * T).view({windows, T});
+  double loss_sum = 0.0;
+  constexpr int64_t kChunk = 64;
+  for (int64_t begin = first; begin < last; begin += kChunk) {
+    const int64_t n = std::min(kChunk, last - begin);
+    auto logits = model_(input.narrow(0, begin, n).to(device_));  // (n, T, V)
+    loss_sum +=
+        F::cross_entropy(logits.reshape({-1, logits.size(2)}),
+                         target.narrow(0, begin, n).to(device_).reshape({-1}),
+                         F::CrossEntropyFuncOptions().reduction(torch::kSum))
+            .item<double>();
+  }
+  model_->train();
+  return {loss_sum, (last - first) * T};
+}
+
+std::string CharLMTask::fingerprint() const {
+  const auto& m = model_->options;
+  return printf_string(
+      "task=charlm text_chars=%lld val_chars=%lld text_fnv1a=%016llx "
+      "block_size=%lld n_embd=%lld n_head=%lld n_layer=%lld dropout=%s "
+      "positions=%s batch_size=%lld seed=%llu",
+      static_cast<long long>(corpus_.train.size(0) + corpus_.val.size(0)),
+      static_cast<long long>(corpus_.val.size(0)),
+      static_cast<unsigned long long>(fnv1a(
+          corpus_.vocab.decode(torch::cat({corpus_.train, corpus_.val})))),
+      static_cast<long long>(m.block_size()),
+      static_cast<long long>(m.n_embd()), static_cast<long long>(m.n_head()),
+      static_cast<long long>(m.n_layer()), exact_decimal(m.dropout()).c_str(),
+      m.rotary() ? "rotary" : "learned", static_cast<long long>(batch_size_),
+      static_cast<unsigned long long>(seed_));
+}
+
+double CharLMTask::unigram_baseline() const {
+  return mha::train::unigram_baseline(corpus_);
+}
+
+std::string CharLMTask::sample(const std::string& prompt, int64_t length,
+                               const SamplingOptions& options,
+                               bool use_kv_cache) {
+  std::string known;
+  for (const char c : prompt) {
+    if (corpus_.vocab.chars().find(c) != std::string::npos) {
+      known.push_back(c);
+    }
+  }
+  auto prompt_ids = known.empty() ? corpus_.val.narrow(0, 0, 1)
+                                  : corpus_.vocab.encode(known);  // (T0)
+  return corpus_.vocab.decode(
+      generate(model_, prompt_ids, length, options, use_kv_cache));
+}
+
+namespace {
+
+/// A character as an axis label: visible stand-ins for white space and
+/// control characters.
+std::string char_label(char c) {
+  switch (c) {
+    case ' ':
+      return "\u2423";  // ␣
+    case '\n':
+      return "\u23ce";  // ⏎
+    case '\t':
+      return "\u21e5";  // ⇥
+    default:
+      break;
+  }
+  const auto u = static_cast<unsigned char>(c);
+  if (u < 0x20 || u == 0x7f) {
+    return printf_string("\\x%02x", u);
+  }
+  return std::string(1, c);
+}
+
+}  // namespace
+
+std::vector<std::string> CharLMTask::plot_attention(const std::string& dir,
+                                                    int64_t length) {
+  const int64_t T = model_->options.block_size();
+  TORCH_CHECK(length >= 1 && length <= T,
+              "CharLMTask::plot_attention: length must be in [1, ", T,
+              "] (the context), but got ", length);
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  TORCH_CHECK(!error, "CharLMTask::plot_attention: cannot create directory '",
+              dir, "': ", error.message());
+  auto ids = corpus_.val.narrow(0, 0, length);  // (length)
+  const std::string text = corpus_.vocab.decode(ids);
+  plot::HeatmapOptions plot_options;
+  for (const char c : text) {
+    plot_options.row_labels.push_back(char_label(c));
+  }
+  plot_options.col_labels = plot_options.row_labels;
+  plot_options.cell_size = 12;
+  auto weights =
+      model_->attention_weights(ids.unsqueeze(0).to(device_));  // [(1,H,T,T)]
+  std::vector<std::string> paths;
+  for (size_t layer = 0; layer < weights.size(); ++layer) {
+    const int64_t heads = weights[layer].size(1);
+    plot_options.panel_titles.clear();
+    for (int64_t head = 0; head < heads; ++head) {
+      plot_options.panel_titles.push_back(printf_string(
+          "layer %zu, head %lld", layer, static_cast<long long>(head)));
+    }
+    plot_options.title = printf_string(
+        "char LM attention, layer %zu: row = predicting after that "
+        "character, column = attended character",
+        layer);
+    const auto path =
+        (std::filesystem::path(dir) / printf_string("layer%zu.svg", layer))
+            .string();
+    plot::write_heatmap_svg(weights[layer][0], path, plot_options);
+    paths.push_back(path);
+  }
+  return paths;
+}
+
+}  // namespace mha::train
