@@ -1,22 +1,19 @@
-// Facts about the machine and process that the tools print with their
-// results (header-only; tools only, never included by the library).
-#pragma once
+// The machine and process facts of tool_common.h: /proc and sysconf reads,
+// and the re-execution that sets OMP_WAIT_POLICY and OPENBLAS_CORETYPE.
+#include "tool_common.h"
 
-#include <dlfcn.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <optional>
-#include <string>
+
+#include "blas_threads.h"
 
 namespace mha::tools {
 
-/// The shared library providing BLAS in this process (Debian's LibTorch calls
-/// the system BLAS chosen by update-alternatives), read from /proc/self/maps.
-inline std::string loaded_blas() {
+std::string loaded_blas() {
   std::ifstream maps("/proc/self/maps");
   std::string line;
   while (std::getline(maps, line)) {
@@ -35,53 +32,7 @@ inline std::string loaded_blas() {
   return "none found (statically linked?)";
 }
 
-/// OpenBLAS's own thread count and build string, when OpenBLAS is loaded
-/// (looked up by symbol name, so nothing links against OpenBLAS).
-struct OpenBlasInfo {
-  int num_threads = 0;
-  std::string config;
-};
-inline std::optional<OpenBlasInfo> openblas_info() {
-  using GetThreads = int (*)();
-  using GetConfig = char* (*)();
-  auto get_threads = reinterpret_cast<GetThreads>(
-      dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  if (get_threads == nullptr) {
-    return std::nullopt;
-  }
-  OpenBlasInfo info;
-  info.num_threads = get_threads();
-  if (auto get_config = reinterpret_cast<GetConfig>(
-          dlsym(RTLD_DEFAULT, "openblas_get_config"))) {
-    info.config = get_config();
-  }
-  return info;
-}
-
-/// The kernel set OpenBLAS chose ("SkylakeX", "Haswell", "Prescott", ...),
-/// or "" when OpenBLAS is not loaded.
-inline std::string openblas_core() {
-  using GetCore = char* (*)();
-  auto get =
-      reinterpret_cast<GetCore>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
-  return get != nullptr ? std::string(get()) : std::string();
-}
-
-/// Two runtime settings that only the environment controls, read when the
-/// libraries load (before main), so the tool sets them and executes itself
-/// again, once, when they are unset:
-///   * OMP_WAIT_POLICY=PASSIVE: idle OpenMP workers sleep instead of
-///     spinning against OpenBLAS's threads for the same cores
-///     (PERF-NOTES: spinning made small calls bimodal);
-///   * OPENBLAS_CORETYPE: OpenBLAS 0.3.21 (Debian 12) does not recognise
-///     recent Intel CPUs (this machine's model 207) and falls back to its
-///     SSE3 "Prescott" kernels, several times slower than the AVX-512
-///     (SkylakeX) or AVX2 (Haswell) kernels the CPU runs. Set only when
-///     OpenBLAS picked Prescott on a CPU with AVX2 or AVX-512.
-/// Both are process-wide: every contender of a benchmark runs under them.
-/// `marker` names the environment variable that carries the note across
-/// the re-execution. Returns a note of what was set ("" when nothing was).
-inline std::string tune_runtime_environment(char** argv, const char* marker) {
+std::string tune_runtime_environment(char** argv, const char* marker) {
   if (const char* carried = std::getenv(marker)) {
     const std::string note = carried;
     unsetenv(marker);
@@ -93,7 +44,7 @@ inline std::string tune_runtime_environment(char** argv, const char* marker) {
     note += "OMP_WAIT_POLICY=PASSIVE";
   }
   if (std::getenv("OPENBLAS_CORETYPE") == nullptr &&
-      openblas_core() == "Prescott") {
+      mha::detail::openblas_core() == "Prescott") {
     const char* core = __builtin_cpu_supports("avx512f") ? "SKYLAKEX"
                        : __builtin_cpu_supports("avx2")  ? "HASWELL"
                                                          : nullptr;
@@ -112,8 +63,7 @@ inline std::string tune_runtime_environment(char** argv, const char* marker) {
   return "";
 }
 
-/// The first "model name" of /proc/cpuinfo, or "unknown".
-inline std::string cpu_model() {
+std::string cpu_model() {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line;
   while (std::getline(cpuinfo, line)) {
@@ -127,13 +77,9 @@ inline std::string cpu_model() {
   return "unknown";
 }
 
-/// Online CPUs of the machine.
-inline int online_cpus() {
-  return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-}
+int online_cpus() { return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)); }
 
-/// CPUs this process may run on (its affinity mask).
-inline int usable_cpus() {
+int usable_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof(set), &set) != 0) {
@@ -142,8 +88,7 @@ inline int usable_cpus() {
   return CPU_COUNT(&set);
 }
 
-/// An environment variable's value, or "unset".
-inline std::string env_or_unset(const char* name) {
+std::string env_or_unset(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr ? value : "unset";
 }
