@@ -1,7 +1,8 @@
 // The measuring part of mha-bench: mha and torch::nn on the same weights and
 // inputs, checked against each other once, then timed in interleaved
-// repetitions, with peak memory and dense FLOP counts. mha_bench.cpp is the
-// command line and the report around it.
+// repetitions, with peak memory and dense FLOP counts (bench.cpp, and
+// bench_defs.cpp for shapes, modes, FLOPs and statistics). bench_tool.h is
+// the command line and the report around it.
 //
 // Glossary: N batch, L sequence length (self-attention: S = L), E embed_dim,
 // H num_heads, F dim_feedforward (4E in the encoder-layer rows).

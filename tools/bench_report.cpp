@@ -1,0 +1,454 @@
+// mha-bench's report: the environment lines (with the GEMM ceiling), one
+// table row per (configuration, mode), the sliding-window and generation
+// tables, the summary and the --json document. Every number is measured in
+// bench.cpp / bench_variants.cpp and formatted here, once.
+//
+// Glossary: N batch, L sequence length (S = L), E embed_dim, H num_heads,
+// F dim_feedforward (4E in the encoder rows).
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "bench_tool.h"
+#include "blas_threads.h"
+#include "mha/version.h"
+#include "tool_common.h"
+
+namespace mha::bench {
+
+namespace {
+
+/// One table row (a constant: fmt checks format strings at compile time
+/// in C++20).
+constexpr char kRowFormat[] =
+    "{:<16} {:<12} {:>4} {:>26} {:>26} {:>6} {:>8} {:>8} {:>9} {:>9} {:>6}  "
+    "{}\n";
+
+std::string format_ms(double ms) {
+  if (ms < 10) {
+    return fmt::format("{:.3f}", ms);
+  }
+  if (ms < 1000) {
+    return fmt::format("{:.1f}", ms);
+  }
+  return fmt::format("{:.0f}", ms);
+}
+
+/// "12.345 [12.001-13.2]", or the status when the contender did not run.
+std::string format_time(const ContenderResult& r) {
+  if (r.status != "ok") {
+    return r.status;
+  }
+  return fmt::format("{} [{}-{}]", format_ms(r.time_ms.median),
+                     format_ms(r.time_ms.min), format_ms(r.time_ms.max));
+}
+
+std::string format_optional(const std::optional<double>& v,
+                            const char* missing = "-") {
+  return v ? fmt::format("{:.2f}", *v) : missing;
+}
+
+std::string format_gflops(const ContenderResult& r) {
+  return r.status == "ok" ? fmt::format("{:.1f}", r.gflops) : "-";
+}
+
+std::string format_memory(const ContenderResult& r, MemoryMethod method) {
+  if (method == MemoryMethod::kNone) {
+    return "n/a";
+  }
+  return r.peak_mib ? fmt::format("{:.1f}", *r.peak_mib) : r.status;
+}
+
+std::string format_check(const Check& c) {
+  if (!c.done) {
+    return "unchecked";
+  }
+  if (c.passed) {
+    return fmt::format("ok {:.0e}", c.max_rel);
+  }
+  return fmt::format("FAIL {} {:.1e}", c.worst, c.max_rel);
+}
+
+nlohmann::json to_json(const ContenderResult& r) {
+  nlohmann::json j;
+  j["status"] = r.status;
+  if (!r.error.empty()) {
+    j["error"] = r.error;
+  }
+  if (r.status == "ok") {
+    const auto& t = r.time_ms;
+    j["median_ms"] = t.median;
+    j["min_ms"] = t.min;
+    j["max_ms"] = t.max;
+    j["q1_ms"] = t.q1;
+    j["q3_ms"] = t.q3;
+    j["samples_ms"] = t.samples;
+    j["gflops"] = r.gflops;
+  }
+  j["peak_mib"] = r.peak_mib ? nlohmann::json(*r.peak_mib) : nullptr;
+  return j;
+}
+
+nlohmann::json to_json(const RowResult& row) {
+  const auto& s = row.shape;
+  nlohmann::json j;
+  j["config"] = {{"N", s.batch},
+                 {"L", s.length},
+                 {"S", s.length},
+                 {"E", s.embed_dim},
+                 {"H", s.num_heads}};
+  if (row.mode == Mode::kEncoder) {
+    j["config"]["F"] = 4 * s.embed_dim;
+  }
+  j["mode"] = name(row.mode);
+  j["flops"] = static_cast<int64_t>(row.flops);
+  j["warmup"] = row.warmup;
+  j["reps"] = row.reps;
+  const auto& c = row.check;
+  j["check"] = {{"done", c.done},       {"passed", c.passed},
+                {"max_abs", c.max_abs}, {"max_rel", c.max_rel},
+                {"worst", c.worst},     {"compared", c.compared},
+                {"atol", c.atol},       {"rtol", c.rtol}};
+  j["mha"] = to_json(row.mha);
+  j["torch_nn"] = to_json(row.torch_nn);
+  j["ratio"] = row.ratio ? nlohmann::json(*row.ratio) : nullptr;
+  j["memory_ratio"] =
+      row.memory_ratio ? nlohmann::json(*row.memory_ratio) : nullptr;
+  return j;
+}
+
+double geometric_mean(const std::vector<double>& v) {
+  double log_sum = 0;
+  for (double x : v) {
+    log_sum += std::log(x);
+  }
+  return std::exp(log_sum / static_cast<double>(v.size()));
+}
+
+/// Where an environment variable came from: mha-bench's re-execution
+/// (tune_runtime_environment) or the caller.
+const char* source(const Environment& env, const char* variable) {
+  return env.runtime_note.find(variable) != std::string::npos
+             ? "set by mha-bench"
+             : "from the environment";
+}
+
+/// The sliding-window table: measured, printed, and its JSON rows.
+nlohmann::json window_table(bool quick, const Settings& settings) {
+  const std::vector<int64_t> lengths =
+      quick ? std::vector<int64_t>{128, 256}
+            : std::vector<int64_t>{1024, 2048, 4096, 8192};
+  const int64_t window = quick ? 32 : 256;
+  const int64_t embed_dim = quick ? 32 : 256, num_heads = quick ? 2 : 4;
+  const int reps = quick ? 2 : 5;
+  fmt::print(
+      "\nsliding window: MultiHeadAttention({}, {}) causal, N = 1, "
+      "inference, window {} vs none; median of {} runs each\n",
+      embed_dim, num_heads, window, reps);
+  fmt::print("{:>6} {:>12} {:>14} {:>12} {:>14} {:>7}\n", "L", "window ms",
+             "window us/tok", "full ms", "full us/tok", "ratio");
+  auto json = nlohmann::json::array();
+  for (const auto& r :
+       measure_window(lengths, window, embed_dim, num_heads, reps, settings)) {
+    const double per_token = 1e3 / static_cast<double>(r.length);
+    fmt::print("{:>6} {:>12.2f} {:>14.2f} {:>12.2f} {:>14.2f} {:>7.2f}\n",
+               r.length, r.windowed_ms, r.windowed_ms * per_token, r.full_ms,
+               r.full_ms * per_token, r.windowed_ms / r.full_ms);
+    json.push_back({{"L", r.length},
+                    {"window", r.window},
+                    {"windowed_ms", r.windowed_ms},
+                    {"full_ms", r.full_ms}});
+  }
+  std::fflush(stdout);
+  return json;
+}
+
+/// The generation line: measured, printed, and its JSON.
+nlohmann::json generation_table(bool quick, uint64_t seed, bool& differs) {
+  const int64_t prompt = quick ? 32 : 256, new_tokens = quick ? 32 : 256;
+  const int reps = quick ? 1 : 3;
+  const auto g = measure_generation(prompt, new_tokens, reps, seed);
+  differs = !g.identical;
+  const double speedup = g.recomputed_s / g.cached_s;
+  fmt::print(
+      "\ngeneration: mha-train's default char LM (random weights), {} "
+      "greedy characters after a {}-character prompt, median of {} runs\n"
+      "  KV cache: {:.3f} s ({:.0f} tokens/s); recomputed every step: "
+      "{:.3f} s ({:.0f} tokens/s); speedup {:.1f}x; same characters: "
+      "{}\n",
+      new_tokens, prompt, reps, g.cached_s,
+      static_cast<double>(new_tokens) / g.cached_s, g.recomputed_s,
+      static_cast<double>(new_tokens) / g.recomputed_s, speedup,
+      g.identical ? "yes" : "NO");
+  std::fflush(stdout);
+  return {{"prompt", g.prompt},
+          {"new_tokens", g.new_tokens},
+          {"reps", g.reps},
+          {"cached_s", g.cached_s},
+          {"recomputed_s", g.recomputed_s},
+          {"speedup", speedup},
+          {"identical", g.identical}};
+}
+
+}  // namespace
+
+Environment read_environment(const Settings& settings,
+                             const std::string& runtime_note) {
+  Environment env;
+  env.runtime_note = runtime_note;
+  env.blas = mha::tools::loaded_blas();
+  if (const auto openblas = mha::detail::openblas_info()) {
+    env.openblas_config = openblas->config;
+    env.openblas_threads = openblas->num_threads;
+  }
+  env.cpu = mha::tools::cpu_model();
+  env.online = mha::tools::online_cpus();
+  env.usable = mha::tools::usable_cpus();
+  env.wait_policy = mha::tools::env_or_unset("OMP_WAIT_POLICY");
+  env.omp_threads = mha::tools::env_or_unset("OMP_NUM_THREADS");
+  env.blas_threads_env = mha::tools::env_or_unset("OPENBLAS_NUM_THREADS");
+  env.openblas_core = mha::detail::openblas_core();
+  env.coretype = mha::tools::env_or_unset("OPENBLAS_CORETYPE");
+  env.memory_text =
+      settings.memory == MemoryMethod::kClearRefs
+          ? "peak RSS in process: \"5\" to /proc/self/clear_refs, one run, "
+            "VmHWM minus VmRSS before the run (after malloc_trim)"
+      : settings.memory == MemoryMethod::kFork
+          ? "peak RSS of a fresh child process per measurement (fork+exec): "
+            "VmHWM after one (first) run minus VmRSS before it"
+          : "not measured on CUDA (host RSS does not show device memory)";
+  env.reps_text =
+      settings.reps > 0
+          ? fmt::format("{} timed per contender", settings.reps)
+          : fmt::format("auto: as many as fit in {} s per row, {} to {}",
+                        settings.budget_s, settings.min_reps,
+                        settings.max_reps);
+  return env;
+}
+
+void print_environment(Environment& env, const Args& args,
+                       const Settings& settings) {
+  fmt::print(
+      "mha-bench: mha vs torch::nn, same weights and inputs, one "
+      "process\n");
+  fmt::print("CPU:       {}, {} online, {} usable by this process\n", env.cpu,
+             env.online, env.usable);
+  fmt::print(
+      "BLAS:      {}{}\n", env.blas,
+      env.openblas_config
+          ? fmt::format(
+                " ({}, {} threads, kernels {}; "
+                "OPENBLAS_CORETYPE {}{})",
+                *env.openblas_config, env.openblas_threads, env.openblas_core,
+                env.coretype,
+                env.coretype == "unset"
+                    ? ""
+                    : fmt::format(" ({})", source(env, "OPENBLAS_CORETYPE")))
+          : "");
+  fmt::print("LibTorch:  {}, device {}, dtype {}\n", mha::torch_version(),
+             args.device_name, args.dtype_name);
+  fmt::print(
+      "Threads:   at::get_num_threads() = {}; OMP_WAIT_POLICY={} ({}); "
+      "OMP_NUM_THREADS {}; OPENBLAS_NUM_THREADS {} (OpenBLAS uses {})\n",
+      at::get_num_threads(), env.wait_policy, source(env, "OMP_WAIT_POLICY"),
+      env.omp_threads, env.blas_threads_env,
+      env.openblas_config ? fmt::format("{}", env.openblas_threads) : "n/a");
+  std::fflush(stdout);
+  const int64_t gemm_n =
+      args.quick && !args.gemm_size_given ? 256 : args.gemm_size;
+  env.gemm = measure_gemm(gemm_n, /*reps=*/5, settings);
+  fmt::print(
+      "GEMM:      {}^3 torch::mm in {}: {:.1f} GFLOP/s (median of {}, "
+      "{:.1f} ms): the ceiling\n",
+      env.gemm.n, args.dtype_name, env.gemm.gflops, env.gemm.reps,
+      env.gemm.median_ms);
+  fmt::print("Memory:    {}\n", env.memory_text);
+  fmt::print(
+      "Runs:      per row {} untimed per contender (the first measures peak "
+      "memory and its results are compared), then {},\n           "
+      "interleaved mha, torch::nn, mha, torch::nn, ... (after a discarded "
+      "warm-up of each mode at (1,8,8,2))\n\n",
+      std::max(args.warmup, 1), env.reps_text);
+
+  fmt::print(kRowFormat, "", "", "", "mha ms", "torch::nn ms", "ratio", "mha",
+             "nn", "mha peak", "nn peak", "mem", "");
+  fmt::print(kRowFormat, "config N,L,E,H", "mode", "reps", "median [min-max]",
+             "median [min-max]", "mha/nn", "GFLOP/s", "GFLOP/s", "MiB", "MiB",
+             "mha/nn", "check (max rel err)");
+  std::fflush(stdout);
+}
+
+void warm_up(const std::vector<Mode>& modes, const Settings& settings) {
+  auto warm = settings;
+  warm.memory = MemoryMethod::kNone;
+  warm.reps = 1;
+  warm.warmup = 1;
+  for (auto mode : modes) {
+    run_row({1, 8, 8, 2}, mode, warm);
+  }
+}
+
+void print_row(const RowResult& row, MemoryMethod memory) {
+  fmt::print(kRowFormat, to_string(row.shape), name(row.mode), row.reps,
+             format_time(row.mha), format_time(row.torch_nn),
+             format_optional(row.ratio), format_gflops(row.mha),
+             format_gflops(row.torch_nn), format_memory(row.mha, memory),
+             format_memory(row.torch_nn, memory),
+             format_optional(row.memory_ratio), format_check(row.check));
+  for (const auto* r : {&row.mha, &row.torch_nn}) {
+    if (r->status == "error" || r->status == "OOM") {
+      fmt::print("  {} {}: {}\n", r == &row.mha ? "mha" : "torch::nn",
+                 r->status, r->error);
+    }
+  }
+  std::fflush(stdout);
+}
+
+Variants run_variants(const Args& args, const Settings& settings) {
+  auto wants = [&](const char* variant) {
+    return args.variant_texts.empty() ||
+           std::find(args.variant_texts.begin(), args.variant_texts.end(),
+                     variant) != args.variant_texts.end();
+  };
+  Variants v;
+  if (wants("window")) {
+    v.window = window_table(args.quick, settings);
+  }
+  if (wants("generation") && !settings.device.is_cuda()) {
+    v.generation =
+        generation_table(args.quick, args.seed, v.generation_differs);
+  }
+  return v;
+}
+
+Summary summarize_rows(const std::vector<RowResult>& rows,
+                       bool generation_differs) {
+  Summary s;
+  s.rows = static_cast<int>(rows.size());
+  for (const auto& row : rows) {
+    s.wrong += row.check.done && !row.check.passed ? 1 : 0;
+    for (const auto* r : {&row.mha, &row.torch_nn}) {
+      s.errors += r->status == "error" ? 1 : 0;
+      s.oom += r->status == "OOM" ? 1 : 0;
+    }
+    if (row.ratio) {
+      ++s.compared;
+      s.faster += *row.ratio < 1 ? 1 : 0;
+      s.ratios[name(row.mode)].push_back(*row.ratio);
+      s.all_ratios.push_back(*row.ratio);
+    }
+  }
+  if (!s.all_ratios.empty()) {
+    s.geomean_ratio = geometric_mean(s.all_ratios);
+  }
+  s.exit_code = s.wrong > 0 || s.errors > 0 || generation_differs ? 1 : 0;
+  return s;
+}
+
+void print_footer(const Summary& summary, const std::vector<Mode>& modes,
+                  double elapsed_s) {
+  fmt::print(
+      "\nratio = mha median / torch::nn median (< 1: mha faster); mem = mha "
+      "peak / torch::nn peak.\nGFLOP/s from the dense count per forward: "
+      "8*N*L*E^2 (projections) + 4*N*L*S*E (attention), + 4*N*L*E*F for "
+      "the encoder layer (F = 4E);\nx3 for fwd-bwd; causal rows count the "
+      "full L*S. Both contenders get the same seq-first input (L, N, E); "
+      "modules in eval().\n");
+  std::string per_mode;
+  for (auto mode : modes) {
+    const auto it = summary.ratios.find(name(mode));
+    if (it != summary.ratios.end()) {
+      per_mode += fmt::format("{}{} {:.2f}", per_mode.empty() ? "" : ", ",
+                              it->first, geometric_mean(it->second));
+    }
+  }
+  if (summary.geomean_ratio) {
+    fmt::print(
+        "geometric mean ratio: {:.2f} over {} rows ({}); mha faster "
+        "in {} of {}\n",
+        *summary.geomean_ratio, summary.all_ratios.size(), per_mode,
+        summary.faster, summary.compared);
+  }
+  fmt::print(
+      "{} rows; results differ: {}; errors: {}; out of memory: {}; "
+      "{:.1f} s\n",
+      summary.rows, summary.wrong, summary.errors, summary.oom, elapsed_s);
+  if (summary.exit_code != 0) {
+    fmt::print("FAILED: {}\n",
+               summary.wrong > 0
+                   ? "mha's results differ from torch::nn's (rows "
+                     "marked FAIL were not timed)"
+               : summary.errors > 0
+                   ? "a contender threw an error"
+                   : "generation through the KV cache gave other characters");
+  }
+}
+
+nlohmann::json json_report(const Args& args, const Settings& settings,
+                           const Environment& env, const Plan& plan,
+                           const std::vector<RowResult>& rows,
+                           const Variants& variants, const Summary& summary,
+                           double elapsed_s) {
+  nlohmann::json doc;
+  doc["tool"] = "mha-bench";
+  doc["environment"] = {
+      {"cpu_model", env.cpu},
+      {"cpus_online", env.online},
+      {"cpus_usable", env.usable},
+      {"blas", env.blas},
+      {"openblas_config", env.openblas_config.value_or("")},
+      {"openblas_threads", env.openblas_threads},
+      {"libtorch", mha::torch_version()},
+      {"device", args.device_name},
+      {"dtype", args.dtype_name},
+      {"intra_op_threads", at::get_num_threads()},
+      {"omp_wait_policy", env.wait_policy},
+      {"omp_wait_policy_source", source(env, "OMP_WAIT_POLICY")},
+      {"openblas_core", env.openblas_core},
+      {"openblas_coretype_env", env.coretype},
+      {"environment_set_by_mha_bench", env.runtime_note},
+      {"omp_num_threads_env", env.omp_threads},
+      {"openblas_num_threads_env", env.blas_threads_env},
+      {"gemm",
+       {{"n", env.gemm.n},
+        {"reps", env.gemm.reps},
+        {"median_ms", env.gemm.median_ms},
+        {"gflops", env.gemm.gflops}}}};
+  nlohmann::json mode_docs;
+  for (auto m : plan.modes) {
+    mode_docs[name(m)] = description(m);
+  }
+  doc["settings"] = {{"quick", args.quick},
+                     {"warmup", std::max(args.warmup, 1)},
+                     {"reps", settings.reps},
+                     {"reps_rule", env.reps_text},
+                     {"budget_s", settings.budget_s},
+                     {"seed", args.seed},
+                     {"memory_method", name(settings.memory)},
+                     {"memory_description", env.memory_text},
+                     {"modes", mode_docs}};
+  auto json_rows = nlohmann::json::array();
+  for (const auto& row : rows) {
+    json_rows.push_back(to_json(row));
+  }
+  doc["rows"] = json_rows;
+  doc["window"] = variants.window;
+  doc["generation"] = variants.generation;
+  doc["summary"] = {
+      {"rows", rows.size()},
+      {"results_differ", summary.wrong},
+      {"errors", summary.errors},
+      {"out_of_memory", summary.oom},
+      {"mha_faster_rows", summary.faster},
+      {"compared_rows", summary.compared},
+      {"geomean_ratio", summary.geomean_ratio
+                            ? nlohmann::json(*summary.geomean_ratio)
+                            : nlohmann::json(nullptr)},
+      {"elapsed_s", elapsed_s},
+      {"exit_code", summary.exit_code}};
+  return doc;
+}
+
+}  // namespace mha::bench
