@@ -103,6 +103,13 @@ foreach(config IN LISTS configs)
                 "${median_${who}}, ${samples} samples, peak ${peak}")
       endif()
     endforeach()
+    # The attention path mha took: one of the three; with weights on CPU in
+    # float32 always the blocked one (src/attention_core.cpp's choose_path).
+    string(JSON path GET "${json}" rows ${i} mha path)
+    if(NOT path MATCHES "^(fused|blocked|explicit)$" OR
+       mode STREQUAL "fwd-weights" AND NOT path STREQUAL "blocked")
+      message(FATAL_ERROR "${where}: mha path ${path}")
+    endif()
     # ratio = mha / torch::nn: above 1 exactly when mha is slower.
     string(JSON ratio GET "${json}" rows ${i} ratio)
     if(median_mha GREATER median_torch_nn AND NOT ratio GREATER 1 OR

@@ -20,6 +20,7 @@
 #include <sstream>
 #include <utility>
 
+#include "attention_core.h"
 #include "mha/mha.h"
 #include "mha/parity.h"
 #include "mha/train.h"
@@ -484,6 +485,9 @@ RowResult run_row(const Shape& shape, Mode mode, const Settings& settings) {
       });
     };
     first_run(A, c.mha, out_a, last_a);
+    if (ok(A)) {
+      row.path = mha::detail::to_string(mha::detail::last_attention_path());
+    }
     first_run(B, c.torch_nn, out_b, last_b);
     if (ok(A) && ok(B)) {
       row.check = check_results(out_a, out_b, settings.dtype);

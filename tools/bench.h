@@ -147,6 +147,9 @@ struct RowResult {
   int reps = 0;    ///< timed runs per contender
   Check check;
   ContenderResult mha;
+  /// The attention path mha's first run took ("fused", "blocked",
+  /// "explicit": mha::detail::last_attention_path), or "-" if it did not run.
+  std::string path = "-";
   ContenderResult torch_nn;
   std::optional<double> ratio;  ///< mha median / torch::nn median
   /// mha peak / torch::nn peak, when torch::nn's is at least 1 MiB.

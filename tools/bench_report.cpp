@@ -24,7 +24,7 @@ namespace {
 /// in C++20).
 constexpr char kRowFormat[] =
     "{:<16} {:<12} {:>4} {:>26} {:>26} {:>6} {:>8} {:>8} {:>9} {:>9} {:>6}  "
-    "{}\n";
+    "{:<8} {}\n";
 
 std::string format_ms(double ms) {
   if (ms < 10) {
@@ -112,6 +112,7 @@ nlohmann::json to_json(const RowResult& row) {
                 {"worst", c.worst},     {"compared", c.compared},
                 {"atol", c.atol},       {"rtol", c.rtol}};
   j["mha"] = to_json(row.mha);
+  j["mha"]["path"] = row.path;
   j["torch_nn"] = to_json(row.torch_nn);
   j["ratio"] = row.ratio ? nlohmann::json(*row.ratio) : nullptr;
   j["memory_ratio"] =
@@ -273,10 +274,10 @@ void print_environment(Environment& env, const Args& args,
       std::max(args.warmup, 1), env.reps_text);
 
   fmt::print(kRowFormat, "", "", "", "mha ms", "torch::nn ms", "ratio", "mha",
-             "nn", "mha peak", "nn peak", "mem", "");
+             "nn", "mha peak", "nn peak", "mem", "mha", "");
   fmt::print(kRowFormat, "config N,L,E,H", "mode", "reps", "median [min-max]",
              "median [min-max]", "mha/nn", "GFLOP/s", "GFLOP/s", "MiB", "MiB",
-             "mha/nn", "check (max rel err)");
+             "mha/nn", "path", "check (max rel err)");
   std::fflush(stdout);
 }
 
@@ -296,7 +297,8 @@ void print_row(const RowResult& row, MemoryMethod memory) {
              format_optional(row.ratio), format_gflops(row.mha),
              format_gflops(row.torch_nn), format_memory(row.mha, memory),
              format_memory(row.torch_nn, memory),
-             format_optional(row.memory_ratio), format_check(row.check));
+             format_optional(row.memory_ratio), row.path,
+             format_check(row.check));
   for (const auto* r : {&row.mha, &row.torch_nn}) {
     if (r->status == "error" || r->status == "OOM") {
       fmt::print("  {} {}: {}\n", r == &row.mha ? "mha" : "torch::nn",
