@@ -112,6 +112,11 @@ void MultiHeadAttentionImpl::reset() {
         options.rotary_theta());
   }
 
+  if (options.scale().has_value()) {
+    TORCH_CHECK(std::isfinite(*options.scale()),
+                "MultiHeadAttention: scale must be finite, but got ",
+                *options.scale());
+  }
   const bool extra_keys = options.add_bias_kv() || options.add_zero_attn();
   if (options.window().has_value()) {
     TORCH_CHECK(*options.window() >= 1,
@@ -243,6 +248,9 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
            << options.relative_num_buckets()
            << ", max_distance=" << options.relative_max_distance()
            << (options.relative_bidirectional() ? ")" : ", unidirectional)");
+  }
+  if (options.scale().has_value()) {
+    stream << ", scale=" << *options.scale();
   }
   if (!options.batch_first()) {
     stream << ", batch_first=false";
@@ -468,7 +476,8 @@ std::tuple<torch::Tensor, torch::Tensor> attend_and_project(
     const detail::KeyPositions& positions, bool batched, bool need_weights,
     bool average_attn_weights) {
   const double p_drop = m.is_training() ? m.options.dropout() : 0.0;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(m.head_dim));
+  const double scale = m.options.scale().value_or(
+      1.0 / std::sqrt(static_cast<double>(m.head_dim)));
   const auto weights_mode = !need_weights ? detail::WeightsMode::kNone
                             : average_attn_weights
                                 ? detail::WeightsMode::kAverage

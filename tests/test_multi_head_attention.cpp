@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <limits>
 #include <sstream>
 
@@ -657,6 +658,61 @@ TEST_F(MultiHeadAttentionTest, PrettyPrint) {
             "mha::MultiHeadAttention(embed_dim=8, num_heads=2, dropout=0.1, "
             "bias=false, add_bias_kv=true, add_zero_attn=true, kdim=4, vdim=6, "
             "batch_first=false)");
+}
+
+// The softmax scale option (T5: 1.0) against attention written out by hand
+// from the module's own parameters: out_proj(softmax(Q Kᵀ · scale) V).
+TEST_F(MultiHeadAttentionTest, ScaleOptionMatchesHandWrittenAttention) {
+  const int64_t N = 2, L = 4, S = 5, E = 8, H = 2, D = E / H;
+  auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  auto query = torch::randn({N, L, E}, f64);
+  auto key = torch::randn({N, S, E}, f64);
+  auto value = torch::randn({N, S, E}, f64);
+  auto causal = mha::causal_mask(L, S);
+  for (const c10::optional<double>& scale :
+       {c10::optional<double>(), c10::optional<double>(1.0),
+        c10::optional<double>(0.3)}) {
+    SCOPED_TRACE(scale ? std::to_string(*scale) : "default");
+    mha::MultiHeadAttention m(
+        mha::MultiHeadAttentionOptions(E, H).scale(scale));
+    m->to(torch::kFloat64);
+    m->eval();
+    auto w = m->in_proj_weight;
+    auto b = m->in_proj_bias;
+    auto heads = [&](const torch::Tensor& x, int64_t part) {  // (N, H, T, D)
+      auto y = torch::matmul(x, w.narrow(0, part * E, E).t()) +
+               b.narrow(0, part * E, E);
+      return y.view({N, -1, H, D}).transpose(1, 2);
+    };
+    const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
+    auto scores =
+        torch::matmul(heads(query, 0), heads(key, 1).transpose(2, 3)) *
+        s;  // (N, H, L, S)
+    scores =
+        scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
+    auto weights = torch::softmax(scores, -1);
+    auto merged = torch::matmul(weights, heads(value, 2))
+                      .transpose(1, 2)
+                      .reshape({N, L, E});
+    auto expected =
+        torch::matmul(merged, m->out_proj->weight.t()) + m->out_proj->bias;
+    auto [out, avg] =
+        m->forward(query, key, value, {}, /*need_weights=*/true, causal);
+    expect_close(out, expected, 1e-12, 1e-12, "output");
+    expect_close(avg, weights.mean(1), 1e-12, 1e-12, "weights");
+    auto [fast, none] = m->forward(query, key, value, {},
+                                   /*need_weights=*/false, causal);
+    expect_close(fast, expected, 1e-12, 1e-12, "output without weights");
+  }
+  EXPECT_THROW_MSG(
+      mha::MultiHeadAttention(
+          mha::MultiHeadAttentionOptions(8, 2).scale(std::nan(""))),
+      "MultiHeadAttention: scale must be finite, but got nan");
+  std::ostringstream printed;
+  mha::MultiHeadAttention(mha::MultiHeadAttentionOptions(8, 2).scale(1.0))
+      ->pretty_print(printed);
+  EXPECT_EQ(printed.str(),
+            "mha::MultiHeadAttention(embed_dim=8, num_heads=2, scale=1)");
 }
 
 TEST_F(MultiHeadAttentionTest, AnyModuleWithDefaultsLeftOut) {

@@ -99,10 +99,17 @@ struct MultiHeadAttentionOptions {
   /// kRelative: separate buckets for keys after the query (T5's encoder,
   /// default true) or not (T5's decoder, for causal attention).
   TORCH_ARG(bool, relative_bidirectional) = true;
+  /// Softmax scale: the scores are (Q_h · K_hᵀ) · scale. nullopt (default):
+  /// 1 / sqrt(head_dim) (Vaswani et al., 2017, and torch::nn). T5 uses 1.0
+  /// (no scaling; Raffel et al., 2020, and transformers' T5Attention). The
+  /// `scale` of PyTorch's scaled_dot_product_attention (2.1+). Must be
+  /// finite (c10::Error otherwise).
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
 };
 
-/// Multi-head attention: out_proj(concat_h softmax(Q_h K_hᵀ / sqrt(D) + mask)
-/// V_h), Q = query·W_qᵀ + b_q, K = key·W_kᵀ + b_k, V = value·W_vᵀ + b_v.
+/// Multi-head attention: out_proj(concat_h softmax(Q_h K_hᵀ · scale + mask)
+/// V_h), scale = 1 / sqrt(D) unless options.scale() says otherwise,
+/// Q = query·W_qᵀ + b_q, K = key·W_kᵀ + b_k, V = value·W_vᵀ + b_v.
 ///
 /// Parameters (names as PyTorch's, so state dicts move both ways), with
 /// Ekv = num_kv_heads · head_dim (E unless num_kv_heads is set):
