@@ -12,6 +12,22 @@ torch::Tensor causal_mask(int64_t L, int64_t S, torch::TensorOptions options) {
   return torch::ones({L, S}, bool_options).triu(/*diagonal=*/1);  // (L, S)
 }
 
+torch::Tensor generate_square_subsequent_mask(int64_t L,
+                                              torch::TensorOptions options) {
+  TORCH_CHECK(L >= 0,
+              "generate_square_subsequent_mask: L must be >= 0, but got ", L);
+  const auto dtype = options.has_dtype()
+                         ? c10::typeMetaToScalarType(options.dtype())
+                         : c10::typeMetaToScalarType(c10::get_default_dtype());
+  TORCH_CHECK(torch::isFloatingType(dtype),
+              "generate_square_subsequent_mask: the dtype must be floating, "
+              "but got ",
+              dtype);
+  return torch::full({L, L}, -std::numeric_limits<double>::infinity(),
+                     options.dtype(dtype))
+      .triu(/*diagonal=*/1);  // (L, L)
+}
+
 torch::Tensor from_keep_mask(const torch::Tensor& keep) {
   TORCH_CHECK(keep.defined(), "from_keep_mask: keep is an undefined tensor");
   if (keep.scalar_type() == torch::kBool) {

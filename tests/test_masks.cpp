@@ -72,6 +72,31 @@ TEST_F(MasksTest, CausalMaskIgnoresDtypeUsesDevice) {
   EXPECT_EQ(meta.sizes(), torch::IntArrayRef({2, 3}));
 }
 
+TEST_F(MasksTest, GenerateSquareSubsequentMaskAsPythonsAndLibTorchs) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (int64_t L : {0, 1, 4}) {
+    auto mask = mha::generate_square_subsequent_mask(L);
+    EXPECT_EQ(mask.scalar_type(), torch::kFloat32);
+    ASSERT_EQ(mask.sizes(), torch::IntArrayRef({L, L}));
+    for (int64_t i = 0; i < L; ++i) {
+      for (int64_t j = 0; j < L; ++j) {
+        EXPECT_EQ(mask[i][j].item<double>(), j > i ? -inf : 0.0)
+            << "i=" << i << " j=" << j;
+      }
+    }
+    EXPECT_TRUE(torch::equal(
+        mask, torch::nn::TransformerImpl::generate_square_subsequent_mask(L)));
+  }
+  auto f64 = mha::generate_square_subsequent_mask(3, torch::kFloat64);
+  EXPECT_EQ(f64.scalar_type(), torch::kFloat64);
+  EXPECT_TRUE(torch::equal(f64.isinf(), mha::causal_mask(3, 3)));
+  EXPECT_THROW_MSG(
+      mha::generate_square_subsequent_mask(-1),
+      "generate_square_subsequent_mask: L must be >= 0, but got -1");
+  EXPECT_THROW_MSG(mha::generate_square_subsequent_mask(2, torch::kLong),
+                   "the dtype must be floating, but got Long");
+}
+
 TEST_F(MasksTest, CausalMaskRejectsNegativeSizes) {
   EXPECT_THROW_MSG(mha::causal_mask(-1, 3),
                    "causal_mask: L and S must be >= 0, but got L=-1, S=3");

@@ -1,5 +1,6 @@
-// Attention masks: the causal mask, explicit conversion of "1 = keep" masks,
-// and the single point where boolean and additive masks are merged.
+// Attention masks: the causal masks (bool, and Python nn.Transformer's float
+// one), explicit conversion of "1 = keep" masks, and the single point where
+// boolean and additive masks are merged.
 //
 // Mask conventions (the same at every mha entry point):
 //   * bool mask: `true` marks a position that may NOT be attended to.
@@ -39,6 +40,25 @@ namespace mha {
 /// Throws c10::Error when L or S is negative.
 torch::Tensor causal_mask(int64_t L, int64_t S,
                           torch::TensorOptions options = {});
+
+/// The float causal mask of Python's nn.Transformer: (L, L), -inf above the
+/// diagonal (key j > query i) and 0 elsewhere, an additive mask for
+/// tgt_mask / src_mask / attn_mask. Python's
+/// `nn.Transformer.generate_square_subsequent_mask(sz, device, dtype)`
+/// (LibTorch has it as the static TransformerImpl member).
+///
+/// Example, generate_square_subsequent_mask(3):
+///   0 -inf -inf
+///   0    0 -inf
+///   0    0    0
+///
+/// Args:
+///   L: the sequence length, >= 0.
+///   options: device and dtype; the dtype must be floating (default: the
+///     default dtype, float32 unless changed, as Python's).
+/// Throws c10::Error when L is negative or the dtype is not floating.
+torch::Tensor generate_square_subsequent_mask(
+    int64_t L, torch::TensorOptions options = {});
 
 /// Converts a "1 = keep, 0 = blocked" mask (bool, integer or floating, any
 /// shape) into an mha bool mask where `true` = blocked: `keep == 0`.
