@@ -1,9 +1,9 @@
 // Internal: lets mha's own parallel loops call BLAS from several threads at
 // once, each call running on its calling thread. Not installed.
 //
-// Why: the blocked attention core (src/attention.cpp) runs its query blocks
-// on ATen's intra-op threads, each block's two GEMMs and softmax on one core
-// with its scores in that core's cache. Debian's OpenBLAS (the pthreads
+// Why: the blocked attention core (src/blocked_attention.cpp) runs its query
+// blocks on ATen's intra-op threads, each block's two GEMMs and softmax on one
+// core with its scores in that core's cache. Debian's OpenBLAS (the pthreads
 // build) would run every one of those GEMMs on its own thread pool instead:
 // concurrent calls then take turns on the pool, and at (N, L, E, H) =
 // (1, 4096, 512, 8) the loop ran 2-3x slower than with one BLAS thread per
