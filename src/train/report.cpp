@@ -11,8 +11,8 @@
 #include <sstream>
 #include <utility>
 
-#include "svg.h"
 #include "common.h"
+#include "svg.h"
 
 namespace mha::train {
 
