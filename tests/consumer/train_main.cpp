@@ -1,5 +1,6 @@
 // Links mha::train from the install tree and checks one result: the ids of
-// a character vocabulary (sorted distinct bytes of " dehlorw").
+// a character vocabulary, the sorted distinct bytes of "hello world"
+// (' ' d e h l o r w: h = 3, e = 2, l = 4, o = 5).
 #include <mha/train.h>
 
 #include <iostream>
