@@ -7,8 +7,84 @@
 
 #include "compat.h"
 #include "projection.h"
+#include "transformer_blocks.h"
 
 namespace mha {
+
+// ------------------------------------------------- shared layer pieces ---
+
+namespace detail {
+
+void check_activation(const torch::nn::activation_t& activation,
+                      const char* module) {
+  if (const auto* f =
+          variant_get_if<std::function<torch::Tensor(const torch::Tensor&)>>(
+              activation)) {
+    TORCH_CHECK(static_cast<bool>(*f), module,
+                ": activation is an empty callable");
+  }
+}
+
+const char* activation_name(const torch::nn::activation_t& activation) {
+  if (variant_get_if<torch::enumtype::kReLU>(activation)) {
+    return "relu";
+  }
+  if (variant_get_if<torch::enumtype::kGELU>(activation)) {
+    return "gelu";
+  }
+  return "<callable>";
+}
+
+torch::Tensor feed_forward(const torch::Tensor& x, torch::nn::Linear linear1,
+                           torch::nn::Dropout dropout,
+                           torch::nn::Linear linear2,
+                           const torch::nn::activation_t& activation) {
+  auto hidden = project(x, linear1->weight, linear1->bias);  // (..., F)
+  if (variant_get_if<torch::enumtype::kReLU>(activation)) {
+    hidden.relu_();  // in place: hidden is this block's own temporary
+  } else if (variant_get_if<torch::enumtype::kGELU>(activation)) {
+    hidden = torch::gelu(hidden);
+  } else {
+    hidden =
+        (*variant_get_if<std::function<torch::Tensor(const torch::Tensor&)>>(
+            activation))(hidden);
+  }
+  return project(dropout->forward(hidden), linear2->weight, linear2->bias);
+}
+
+void check_attn_mask(const char* module, const char* name,
+                     const torch::Tensor& mask, int64_t N, int64_t H, int64_t L,
+                     int64_t S, bool batched, const char* l_name,
+                     const char* s_name) {
+  if (!mask.defined()) {
+    return;
+  }
+  const bool ok = (mask.dim() == 2 && mask.size(0) == L && mask.size(1) == S) ||
+                  (mask.dim() == 3 && mask.size(0) == N * H &&
+                   mask.size(1) == L && mask.size(2) == S);
+  TORCH_CHECK(ok, module, ": ", name, " must be (", l_name, ", ", s_name,
+              ") = (", L, ", ", S, ") or (", batched ? "N*nhead" : "nhead",
+              ", ", l_name, ", ", s_name, ") = (", N * H, ", ", L, ", ", S,
+              "), but got ", mask.sizes());
+}
+
+void check_padding_mask(const char* module, const char* name,
+                        const torch::Tensor& mask, int64_t N, int64_t L,
+                        bool batched, const char* l_name) {
+  if (!mask.defined()) {
+    return;
+  }
+  const bool ok =
+      batched ? mask.dim() == 2 && mask.size(0) == N && mask.size(1) == L
+              : mask.dim() == 1 && mask.size(0) == L;
+  TORCH_CHECK(ok, module, ": ", name, " must be ",
+              batched ? "(N, " + std::string(l_name) + ") = (" +
+                            std::to_string(N) + ", "
+                      : "(" + std::string(l_name) + ") = (",
+              L, "), but got ", mask.sizes());
+}
+
+}  // namespace detail
 
 // ------------------------------------------------------------- LayerNorm ---
 
@@ -81,12 +157,7 @@ void TransformerEncoderLayerImpl::reset() {
   TORCH_CHECK(options.layer_norm_eps() > 0.0,
               "TransformerEncoderLayer: layer_norm_eps must be > 0, but got ",
               options.layer_norm_eps());
-  if (const auto* f = detail::variant_get_if<
-          std::function<torch::Tensor(const torch::Tensor&)>>(
-          options.activation())) {
-    TORCH_CHECK(static_cast<bool>(*f),
-                "TransformerEncoderLayer: activation is an empty callable");
-  }
+  detail::check_activation(options.activation(), "TransformerEncoderLayer");
   const bool bias = options.bias();
   // Registration order as PyTorch's.
   self_attn = register_module(
@@ -120,16 +191,9 @@ void TransformerEncoderLayerImpl::pretty_print(std::ostream& stream) const {
          << "mha::TransformerEncoderLayer(d_model=" << options.d_model()
          << ", nhead=" << options.nhead()
          << ", dim_feedforward=" << options.dim_feedforward()
-         << ", dropout=" << options.dropout() << ", activation=";
-  const auto& activation = options.activation();
-  if (detail::variant_get_if<torch::enumtype::kReLU>(activation)) {
-    stream << "relu";
-  } else if (detail::variant_get_if<torch::enumtype::kGELU>(activation)) {
-    stream << "gelu";
-  } else {
-    stream << "<callable>";
-  }
-  stream << ", layer_norm_eps=" << options.layer_norm_eps()
+         << ", dropout=" << options.dropout()
+         << ", activation=" << detail::activation_name(options.activation())
+         << ", layer_norm_eps=" << options.layer_norm_eps()
          << ", batch_first=" << options.batch_first()
          << ", norm_first=" << options.norm_first()
          << ", bias=" << options.bias() << ")";
@@ -147,19 +211,8 @@ torch::Tensor TransformerEncoderLayerImpl::self_attention_block(
 
 torch::Tensor TransformerEncoderLayerImpl::feed_forward_block(
     const torch::Tensor& x) {
-  auto hidden = detail::project(x, linear1->weight, linear1->bias);  // (..., F)
-  const auto& activation = options.activation();
-  if (detail::variant_get_if<torch::enumtype::kReLU>(activation)) {
-    hidden.relu_();  // in place: hidden is this block's own temporary
-  } else if (detail::variant_get_if<torch::enumtype::kGELU>(activation)) {
-    hidden = torch::gelu(hidden);
-  } else {
-    hidden = (*detail::variant_get_if<
-              std::function<torch::Tensor(const torch::Tensor&)>>(activation))(
-        hidden);
-  }
-  return dropout2->forward(detail::project(dropout->forward(hidden),
-                                           linear2->weight, linear2->bias));
+  return dropout2->forward(
+      detail::feed_forward(x, linear1, dropout, linear2, options.activation()));
 }
 
 torch::Tensor TransformerEncoderLayerImpl::forward(
@@ -177,26 +230,11 @@ torch::Tensor TransformerEncoderLayerImpl::forward(
   const auto L = src.size(batched && !options.batch_first() ? 0 : -2);
   const auto N = batched ? src.size(options.batch_first() ? 0 : 1) : 1;
   const auto H = options.nhead();
-  if (src_mask.defined()) {
-    const bool ok = (src_mask.dim() == 2 && src_mask.size(0) == L &&
-                     src_mask.size(1) == L) ||
-                    (src_mask.dim() == 3 && src_mask.size(0) == N * H &&
-                     src_mask.size(1) == L && src_mask.size(2) == L);
-    TORCH_CHECK(ok, "TransformerEncoderLayer: src_mask must be (L, L) = (", L,
-                ", ", L, ") or (", batched ? "N*nhead" : "nhead", ", L, L) = (",
-                N * H, ", ", L, ", ", L, "), but got ", src_mask.sizes());
-  }
-  if (src_key_padding_mask.defined()) {
-    const bool ok = batched ? src_key_padding_mask.dim() == 2 &&
-                                  src_key_padding_mask.size(0) == N &&
-                                  src_key_padding_mask.size(1) == L
-                            : src_key_padding_mask.dim() == 1 &&
-                                  src_key_padding_mask.size(0) == L;
-    TORCH_CHECK(ok, "TransformerEncoderLayer: src_key_padding_mask must be ",
-                batched ? "(N, L) = (" + std::to_string(N) + ", "
-                        : std::string("(L) = ("),
-                L, "), but got ", src_key_padding_mask.sizes());
-  }
+  const char* module = "TransformerEncoderLayer";
+  detail::check_attn_mask(module, "src_mask", src_mask, N, H, L, L, batched,
+                          "L", "L");
+  detail::check_padding_mask(module, "src_key_padding_mask",
+                             src_key_padding_mask, N, L, batched, "L");
   auto x = src;
   if (options.norm_first()) {
     x = x + self_attention_block(norm1->forward(x), src_mask,
