@@ -4,6 +4,7 @@
 #include "mha/multi_head_attention.h"
 
 #include <cmath>
+#include <string>
 
 #include "attention_core.h"
 #include "mha/masks.h"
@@ -615,6 +616,129 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
                                        is_causal, in.query.options());
   return attend_and_project(*this, q, k_all, v_all, torch::Tensor(), positions,
                             in.batched, need_weights, average_attn_weights);
+}
+
+namespace {
+
+/// project_key_value and forward_projected take no option that places keys
+/// at positions or appends key rows.
+void check_projectable(const MultiHeadAttentionImpl& m, const char* caller) {
+  const auto& o = m.options;
+  const char* option = o.add_bias_kv()     ? "add_bias_kv"
+                       : o.add_zero_attn() ? "add_zero_attn"
+                       : o.rotary()        ? "rotary"
+                       : o.window()        ? "window"
+                       : o.position_bias() != PositionBias::kNone
+                           ? "position_bias"
+                           : nullptr;
+  TORCH_CHECK(option == nullptr, "MultiHeadAttention::", caller,
+              ": the option ", option,
+              " is not supported (it gives keys positions or extra rows)");
+}
+
+/// x (N, T, F) in the module's layout ((T, N, F) if !batch_first, (T, F)
+/// unbatched) as (N, T, F), after the checks of forward for `name`.
+torch::Tensor batch_first_input(const MultiHeadAttentionImpl& m,
+                                const torch::Tensor& x, const char* name,
+                                int64_t features, const char* feature_name) {
+  TORCH_CHECK(x.defined(), "MultiHeadAttention: ", name, " is undefined");
+  const char* layout = m.options.batch_first() ? "(N, T, " : "(T, N, ";
+  TORCH_CHECK((x.dim() == 3 || x.dim() == 2) && x.size(-1) == features,
+              "MultiHeadAttention: ", name, " must be ", layout, feature_name,
+              ") batched or (T, ", feature_name, ") unbatched with ",
+              feature_name, " = ", features, ", but got ", x.sizes());
+  const auto& weight = m.out_proj->weight;
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(),
+              "MultiHeadAttention: ", name, " must have the parameters' dtype ",
+              weight.scalar_type(), ", but got dtype ", x.scalar_type());
+  TORCH_CHECK(x.device() == weight.device(), "MultiHeadAttention: ", name,
+              " must be on the parameters' device ", weight.device(),
+              ", but got device ", x.device());
+  if (x.dim() == 2) {
+    return x.unsqueeze(0);  // (1, T, F)
+  }
+  return m.options.batch_first() ? x : x.transpose(0, 1);  // (N, T, F)
+}
+
+}  // namespace
+
+ProjectedKeyValue MultiHeadAttentionImpl::project_key_value(
+    const torch::Tensor& key, const torch::Tensor& value) const {
+  check_projectable(*this, "project_key_value");
+  auto k_in = batch_first_input(*this, key, "key", kdim(), "kdim");
+  auto v_in = batch_first_input(*this, value, "value", vdim(), "vdim");
+  TORCH_CHECK(key.dim() == value.dim() && k_in.size(0) == v_in.size(0) &&
+                  k_in.size(1) == v_in.size(1),
+              "MultiHeadAttention::project_key_value: value must have key's "
+              "batch size and length, but got key ",
+              key.sizes(), " and value ", value.sizes());
+  // in_proj_bias rows: query [0, E), key [E, E + Ekv), value [E + Ekv, ...)
+  const int64_t E = options.embed_dim();
+  const int64_t Ekv = num_kv_heads() * head_dim;
+  const auto& w = in_proj_weight;
+  const auto& b = in_proj_bias;
+  const bool packed = packed_in_proj();
+  auto k = detail::project(k_in, packed ? rows_of(w, E, Ekv) : k_proj_weight,
+                           rows_of(b, E, Ekv));  // (N, S, Ekv)
+  auto v =
+      detail::project(v_in, packed ? rows_of(w, E + Ekv, Ekv) : v_proj_weight,
+                      rows_of(b, E + Ekv, Ekv));  // (N, S, Ekv)
+  return {split_heads(k, num_kv_heads()), split_heads(v, num_kv_heads())};
+}
+
+std::tuple<torch::Tensor, torch::Tensor>
+MultiHeadAttentionImpl::forward_projected(const torch::Tensor& query,
+                                          const ProjectedKeyValue& key_value,
+                                          const torch::Tensor& key_padding_mask,
+                                          bool need_weights,
+                                          bool average_attn_weights) {
+  check_projectable(*this, "forward_projected");
+  const int64_t E = options.embed_dim();
+  auto q_in = batch_first_input(*this, query, "query", E, "E");
+  const int64_t N = q_in.size(0);
+  const int64_t Hkv = num_kv_heads();
+  const auto& k = key_value.key;
+  const auto& v = key_value.value;
+  TORCH_CHECK(k.defined() && v.defined() && k.dim() == 4 &&
+                  k.sizes() == v.sizes() && k.size(0) == N &&
+                  k.size(1) == Hkv && k.size(3) == head_dim,
+              "MultiHeadAttention::forward_projected: key_value must hold "
+              "key and value (N, num_kv_heads, S, head_dim) = (",
+              N, ", ", Hkv, ", S, ", head_dim, "), but got key ",
+              k.defined() ? k.sizes() : torch::IntArrayRef{}, " and value ",
+              v.defined() ? v.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(k.scalar_type() == q_in.scalar_type() &&
+                  v.scalar_type() == q_in.scalar_type() &&
+                  k.device() == q_in.device() && v.device() == q_in.device(),
+              "MultiHeadAttention::forward_projected: key_value must have "
+              "query's dtype ",
+              q_in.scalar_type(), " and device ", q_in.device(), ", but has ",
+              k.scalar_type(), " on ", k.device());
+  const int64_t S = k.size(2);
+  torch::Tensor mask;
+  if (key_padding_mask.defined()) {
+    check_mask(key_padding_mask, "key_padding_mask", q_in.scalar_type(),
+               q_in.device());
+    const bool batched = query.dim() == 3;
+    const bool ok =
+        batched
+            ? key_padding_mask.dim() == 2 && key_padding_mask.size(0) == N &&
+                  key_padding_mask.size(1) == S
+            : key_padding_mask.dim() == 1 && key_padding_mask.size(0) == S;
+    TORCH_CHECK(ok, "key_padding_mask must be ",
+                batched ? "(N, S) = (" + std::to_string(N) + ", "
+                        : std::string("(S) = ("),
+                S, "), but got ", key_padding_mask.sizes());
+    mask = merge_masks({key_padding_mask.view({N, 1, 1, S})},
+                       q_in.scalar_type());  // (N, 1, 1, S)
+  }
+  auto q = detail::project(
+      q_in, packed_in_proj() ? rows_of(in_proj_weight, 0, E) : q_proj_weight,
+      rows_of(in_proj_bias, 0, E));  // (N, T, E)
+  return attend_and_project(*this, split_heads(q, options.num_heads()), k, v,
+                            mask, detail::KeyPositions(/*causal=*/false),
+                            query.dim() == 3, need_weights,
+                            average_attn_weights);
 }
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch_size,

@@ -12,5 +12,6 @@
 #include "mha/positions.h"
 #include "mha/state_dict.h"
 #include "mha/transformer.h"
+#include "mha/transformer_decoder.h"
 #include "mha/version.h"
 #include "mha/weights.h"

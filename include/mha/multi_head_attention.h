@@ -107,6 +107,18 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
 };
 
+/// The keys and values of a fixed key/value sequence (an encoder's memory)
+/// after a module's input projection, split into heads: computed once by
+/// MultiHeadAttention::project_key_value and attended at every decoding step
+/// by MultiHeadAttention::forward_projected (the cross-attention of cached
+/// decoding; Hugging Face keeps the same tensors in the cross-attention half
+/// of its EncoderDecoderCache). Gradients flow through them as through any
+/// tensor.
+struct ProjectedKeyValue {
+  torch::Tensor key;    ///< (N, Hkv, S, D)
+  torch::Tensor value;  ///< (N, Hkv, S, D)
+};
+
 /// Multi-head attention: out_proj(concat_h softmax(Q_h K_hᵀ · scale + mask)
 /// V_h), scale = 1 / sqrt(D) unless options.scale() says otherwise,
 /// Q = query·W_qᵀ + b_q, K = key·W_kᵀ + b_k, V = value·W_vᵀ + b_v.
@@ -195,6 +207,28 @@ class MultiHeadAttentionImpl
   /// positions, num_kv_heads() heads of head_dim, the parameters' dtype and
   /// device.
   KVCache make_kv_cache(int64_t batch_size, int64_t capacity) const;
+  /// Cross-attention for incremental decoding, first half: key (N, S,
+  /// kdim) and value (N, S, vdim) ((S, N, ...) if !batch_first; (S, ...)
+  /// unbatched, N = 1) through the key and value projections, split into
+  /// num_kv_heads() heads. Not with add_bias_kv, add_zero_attn, rotary,
+  /// window or position_bias (they give keys positions or extra rows):
+  /// c10::Error naming the option. Throws c10::Error as forward for wrong
+  /// dims, feature sizes, lengths, dtype or device.
+  ProjectedKeyValue project_key_value(const torch::Tensor& key,
+                                      const torch::Tensor& value) const;
+  /// Cross-attention for incremental decoding, second half: attends from
+  /// query ((N, T, E) as forward's layout) to the projected keys and values
+  /// of project_key_value, without recomputing them; key_padding_mask
+  /// (N, S) ((S) unbatched), bool (true = blocked) or floating, or
+  /// undefined. Equal, within rounding, to forward(query, key, value,
+  /// key_padding_mask, need_weights, {}, average_attn_weights) with the
+  /// key and value that were projected. Returns (output, weights) as
+  /// forward. Throws c10::Error as forward, and for a key_value of another
+  /// batch size, head count, head_dim, dtype or device.
+  std::tuple<torch::Tensor, torch::Tensor> forward_projected(
+      const torch::Tensor& query, const ProjectedKeyValue& key_value,
+      const torch::Tensor& key_padding_mask = {}, bool need_weights = false,
+      bool average_attn_weights = true);
 
  protected:
   // Defaults of forward's arguments 1..7: key, value, key_padding_mask,
