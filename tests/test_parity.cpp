@@ -21,9 +21,10 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
   auto cases = mha::parity::default_cases();
   ASSERT_GE(cases.size(), 30u);
   std::set<std::string> names;
-  int ref_diffs = 0, encoder_rows = 0;
+  int ref_diffs = 0, encoder_rows = 0, decoder_rows = 0;
   for (const auto& c : cases) {
     encoder_rows += c.encoder_layer ? 1 : 0;
+    decoder_rows += c.decoder_layer ? 1 : 0;
     EXPECT_TRUE(names.insert(c.name).second) << "duplicate " << c.name;
     auto r = mha::parity::run_case(c, torch::kCPU, 0);
     EXPECT_NE(r.status, Status::kFail) << c.name << ": " << r.note;
@@ -35,8 +36,8 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
       EXPECT_TRUE(r.torch_nn.used) << c.name;
       EXPECT_FALSE(r.torch_nn.within) << c.name;
     } else if (r.note.rfind("float64 only", 0) == 0) {
-      // Options torch::nn's encoder layer lacks (norm_first, bias=false).
-      EXPECT_TRUE(c.encoder_layer) << c.name;
+      // Options torch::nn's layers lack (norm_first, bias=false).
+      EXPECT_TRUE(c.encoder_layer || c.decoder_layer) << c.name;
       EXPECT_FALSE(r.torch_nn.used) << c.name;
     } else {
       EXPECT_TRUE(r.torch_nn.used) << c.name;
@@ -44,6 +45,28 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
   }
   EXPECT_GT(ref_diffs, 0);
   EXPECT_GE(encoder_rows, 10);
+  EXPECT_GE(decoder_rows, 10);
+}
+
+TEST_F(ParityTest, PlantedFaultInDecoderLayerFails) {
+  Case c;
+  c.name = "planted-decoder";
+  c.decoder_layer = true;
+  c.is_causal = true;
+  c.key_padding_mask = MaskKind::kBool;
+  auto clean = mha::parity::run_case(c, torch::kCPU, 0);
+  EXPECT_EQ(clean.status, Status::kPass) << clean.note;
+  EXPECT_TRUE(clean.torch_nn.used);
+  // A fault in the cross-attention (the tampered module) is caught by both.
+  c.tamper = [](mha::MultiHeadAttentionImpl& m) {
+    m.in_proj_weight[9][0].add_(1e-2);  // a key row: memory's projection
+  };
+  auto r = mha::parity::run_case(c, torch::kCPU, 0);
+  EXPECT_EQ(r.status, Status::kFail);
+  EXPECT_FALSE(r.torch_nn.within);
+  EXPECT_FALSE(r.float64.within);
+  c.norm_first = true;  // float64 alone catches it too
+  EXPECT_EQ(mha::parity::run_case(c, torch::kCPU, 0).status, Status::kFail);
 }
 
 TEST_F(ParityTest, PlantedFaultInEncoderLayerFails) {

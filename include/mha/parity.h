@@ -4,7 +4,9 @@
 // likewise mha::TransformerEncoderLayer against
 // torch::nn::TransformerEncoderLayer (post-norm, seq-first, eps 1e-5, with
 // biases: the options LibTorch's layer has; rows with other options are
-// checked against the float64 reference alone).
+// checked against the float64 reference alone), and
+// mha::TransformerDecoderLayer against torch::nn::TransformerDecoderLayer
+// under the same conditions.
 //
 // Where LibTorch's module is known to be wrong or to refuse an input (a bool
 // attn_mask is added as 0/1; a 3-D attn_mask fails; kdim != vdim fails an
@@ -23,6 +25,7 @@
 
 #include "mha/multi_head_attention.h"
 #include "mha/transformer.h"
+#include "mha/transformer_decoder.h"
 
 namespace mha::parity {
 
@@ -37,10 +40,15 @@ struct Case {
   /// key_padding_mask is src_key_padding_mask) instead of a
   /// MultiHeadAttention.
   bool encoder_layer = false;
-  int64_t dim_feedforward = 16;  ///< encoder layer only
-  bool gelu = false;             ///< encoder layer only: gelu, else relu
-  bool norm_first = false;       ///< encoder layer only
-  double layer_norm_eps = 1e-5;  ///< encoder layer only
+  /// Checks a TransformerDecoderLayer: the query is tgt, the key is memory
+  /// (N, S, E) (value = key), attn_mask is memory_mask, key_padding_mask is
+  /// memory_key_padding_mask, is_causal is tgt_is_causal; the attention
+  /// fields apply to both self_attn and multihead_attn.
+  bool decoder_layer = false;
+  int64_t dim_feedforward = 16;  ///< encoder or decoder layer only
+  bool gelu = false;             ///< layers only: gelu, else relu
+  bool norm_first = false;       ///< layers only
+  double layer_norm_eps = 1e-5;  ///< layers only
   int64_t batch = 2;             ///< N
   int64_t tgt_len = 5;           ///< L
   int64_t src_len = 7;           ///< S (ignored for self-attention: S = L)
@@ -157,6 +165,16 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
 /// Returns the output (N, L, E).
 torch::Tensor reference_encoder_layer(
     const TransformerEncoderLayerOptions& options, bool gelu,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& inputs);
+
+/// Independent float64 decoder layer from basic ops, as
+/// reference_encoder_layer: self_attn over inputs.query (tgt) with
+/// inputs.is_causal as tgt_is_causal and no other mask; multihead_attn from
+/// it to inputs.key = inputs.value (memory) with inputs.attn_mask and
+/// inputs.key_padding_mask; norm1..3, linear1/2 by PyTorch name.
+/// Returns the output (N, L, E).
+torch::Tensor reference_decoder_layer(
+    const TransformerDecoderLayerOptions& options, bool gelu,
     const std::map<std::string, torch::Tensor>& params, const Inputs& inputs);
 
 }  // namespace mha::parity

@@ -141,6 +141,36 @@ std::vector<Case> default_cases() {
     c.layer_norm_eps = 1e-3;
     c.is_causal = true;
   });
+  add_case("decoder-causal+memory-padding", [](Case& c) {
+    c.decoder_layer = true;
+    c.is_causal = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("decoder-gelu-seq-first+memory_mask", [](Case& c) {
+    c.decoder_layer = true;
+    c.gelu = true;
+    c.batch_first = false;
+    c.attn_mask = MaskKind::kFloat;
+  });
+  add_case("decoder-fully-masked-memory", [](Case& c) {
+    c.decoder_layer = true;
+    c.is_causal = true;
+    c.fully_masked_row = true;
+  });
+  add_case("decoder-norm_first-gelu+causal", [](Case& c) {
+    c.decoder_layer = true;
+    c.norm_first = true;
+    c.gelu = true;
+    c.is_causal = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("decoder-bias-off-unbatched", [](Case& c) {
+    c.decoder_layer = true;
+    c.bias = false;
+    c.unbatched = true;
+    c.batch = 1;
+    c.is_causal = true;
+  });
   return cases;
 }
 

@@ -1,6 +1,6 @@
 // mha::parity's independent references: multi-head attention and the
-// encoder layer written plainly from their formulas (mha/parity.h), run in
-// float64 by the checker.
+// encoder and decoder layers written plainly from their formulas
+// (mha/parity.h), run in float64 by the checker.
 //
 // Glossary: N batch, L target length, S source length, S' = S plus the
 // add_bias_kv / add_zero_attn positions, E embed_dim, H num_heads,
@@ -139,48 +139,100 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
   return {torch::stack(outputs), torch::stack(weights)};
 }
 
-torch::Tensor reference_encoder_layer(
-    const TransformerEncoderLayerOptions& options, bool gelu,
-    const std::map<std::string, torch::Tensor>& params, const Inputs& in) {
-  auto p = [&](const std::string& name) {
-    return param_or_undefined(params, name);
-  };
-  const std::string prefix = "self_attn.";
-  std::map<std::string, torch::Tensor> attn_params;
+namespace {
+
+/// The parameters under `prefix` (e.g. "self_attn."), the prefix removed.
+std::map<std::string, torch::Tensor> sub_params(
+    const std::map<std::string, torch::Tensor>& params,
+    const std::string& prefix) {
+  std::map<std::string, torch::Tensor> sub;
   for (const auto& [name, value] : params) {
     if (name.rfind(prefix, 0) == 0) {
-      attn_params[name.substr(prefix.size())] = value;
+      sub[name.substr(prefix.size())] = value;
     }
   }
-  const auto attn_options =
-      MultiHeadAttentionOptions(options.d_model(), options.nhead())
-          .bias(options.bias());
-  const double eps = options.layer_norm_eps();
-  auto norm = [&](const torch::Tensor& x, const std::string& name) {
+  return sub;
+}
+
+/// The pieces every Transformer layer is made of, written out: layer norm
+/// (biased variance), the feed-forward block with relu or exact gelu.
+struct LayerPieces {
+  const std::map<std::string, torch::Tensor>& params;
+  double eps;
+  bool gelu;
+
+  torch::Tensor p(const std::string& name) const {
+    return param_or_undefined(params, name);
+  }
+  torch::Tensor norm(const torch::Tensor& x, const std::string& name) const {
     auto mean = x.mean(-1, /*keepdim=*/true);
     auto var = (x - mean).pow(2).mean(-1, /*keepdim=*/true);  // biased
     auto y = (x - mean) / torch::sqrt(var + eps) * p(name + ".weight");
     auto b = p(name + ".bias");
     return b.defined() ? y + b : y;
-  };
+  }
+  torch::Tensor feed_forward(const torch::Tensor& x) const {
+    auto h = affine(x, p("linear1.weight"), p("linear1.bias"));
+    h = gelu ? 0.5 * h * (1.0 + torch::erf(h / std::sqrt(2.0)))
+             : h.clamp_min(0.0);
+    return affine(h, p("linear2.weight"), p("linear2.bias"));
+  }
+};
+
+}  // namespace
+
+torch::Tensor reference_encoder_layer(
+    const TransformerEncoderLayerOptions& options, bool gelu,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& in) {
+  const LayerPieces layer{params, options.layer_norm_eps(), gelu};
+  const auto attn_params = sub_params(params, "self_attn.");
+  const auto attn_options =
+      MultiHeadAttentionOptions(options.d_model(), options.nhead())
+          .bias(options.bias());
   auto self_attention = [&](const torch::Tensor& x) {
     Inputs a = in;
     a.query = a.key = a.value = x;
     return std::get<0>(reference_attention(attn_options, attn_params, a));
   };
-  auto feed_forward = [&](const torch::Tensor& x) {
-    auto h = affine(x, p("linear1.weight"), p("linear1.bias"));
-    h = gelu ? 0.5 * h * (1.0 + torch::erf(h / std::sqrt(2.0)))
-             : h.clamp_min(0.0);
-    return affine(h, p("linear2.weight"), p("linear2.bias"));
+  auto x = in.query;  // (N, L, E)
+  if (options.norm_first()) {
+    x = x + self_attention(layer.norm(x, "norm1"));
+    return x + layer.feed_forward(layer.norm(x, "norm2"));
+  }
+  x = layer.norm(x + self_attention(x), "norm1");
+  return layer.norm(x + layer.feed_forward(x), "norm2");
+}
+
+torch::Tensor reference_decoder_layer(
+    const TransformerDecoderLayerOptions& options, bool gelu,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& in) {
+  const LayerPieces layer{params, options.layer_norm_eps(), gelu};
+  const auto self_params = sub_params(params, "self_attn.");
+  const auto cross_params = sub_params(params, "multihead_attn.");
+  const auto attn_options =
+      MultiHeadAttentionOptions(options.d_model(), options.nhead())
+          .bias(options.bias());
+  auto self_attention = [&](const torch::Tensor& x) {
+    Inputs a;
+    a.query = a.key = a.value = x;
+    a.is_causal = in.is_causal;  // tgt_is_causal; no other target mask
+    return std::get<0>(reference_attention(attn_options, self_params, a));
+  };
+  auto cross_attention = [&](const torch::Tensor& x) {
+    Inputs a = in;  // memory as key and value, the memory masks
+    a.query = x;
+    a.is_causal = false;
+    return std::get<0>(reference_attention(attn_options, cross_params, a));
   };
   auto x = in.query;  // (N, L, E)
   if (options.norm_first()) {
-    x = x + self_attention(norm(x, "norm1"));
-    return x + feed_forward(norm(x, "norm2"));
+    x = x + self_attention(layer.norm(x, "norm1"));
+    x = x + cross_attention(layer.norm(x, "norm2"));
+    return x + layer.feed_forward(layer.norm(x, "norm3"));
   }
-  x = norm(x + self_attention(x), "norm1");
-  return norm(x + feed_forward(x), "norm2");
+  x = layer.norm(x + self_attention(x), "norm1");
+  x = layer.norm(x + cross_attention(x), "norm2");
+  return layer.norm(x + layer.feed_forward(x), "norm3");
 }
 
 }  // namespace mha::parity

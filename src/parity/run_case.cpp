@@ -10,13 +10,12 @@
 #include <limits>
 #include <map>
 
+#include "case_tools.h"
 #include "mha/parity.h"
 #include "mha/weights.h"
 
 namespace mha::parity {
-namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
+namespace detail {
 
 Comparison compare(const std::string& what, const torch::Tensor& ours,
                    const torch::Tensor& reference, const Tolerance& tol) {
@@ -283,22 +282,6 @@ Parts run_torch_nn(const Case& c,
   return parts;
 }
 
-/// Runs torch::nn through `run`; if it throws, keeps the first line of the
-/// message (at most 60 characters) in `threw` and marks torch::nn as used
-/// and not within tolerance.
-template <typename Run>
-Parts run_reference(Run&& run, std::string& threw, CaseResult& result) {
-  try {
-    return run();
-  } catch (const c10::Error& e) {
-    threw = e.what_without_backtrace();
-    threw = threw.substr(0, std::min<size_t>(threw.find('\n'), 60));
-    result.torch_nn.used = true;
-    result.torch_nn.within = false;
-    return {};
-  }
-}
-
 /// Compares mha's tensors with both references' and sets the status:
 /// PASS within tolerance of both (of float64 alone where torch::nn lacks the
 /// case's options: `nn` empty and `nn_threw` empty), REF-DIFF when torch::nn
@@ -356,162 +339,16 @@ void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
   }
 }
 
-/// torch::nn::TransformerEncoderLayer on the weights of `ours` (post-norm,
-/// seq-first, eps 1e-5: the caller checked the case has those options);
-/// is_causal is passed as a float src_mask.
-Parts run_torch_nn_encoder(
-    const Case& c, const std::shared_ptr<TransformerEncoderLayerImpl>& ours,
-    const Inputs& in, const torch::Tensor& g_out, std::string& note) {
-  const auto dtype = c.dtype;
-  const int64_t L = in.query.size(1);
-  auto ref_options = torch::nn::TransformerEncoderLayerOptions(
-                         ours->options.d_model(), ours->options.nhead())
-                         .dim_feedforward(ours->options.dim_feedforward())
-                         .dropout(0.0);
-  if (c.gelu) {
-    ref_options.activation(torch::kGELU);
-  }
-  torch::nn::TransformerEncoderLayer ref(ref_options);
-  ref->to(in.query.device(), dtype);
-  ref->eval();
-  copy_weights(TransformerEncoderLayer(ours), ref);
-  auto rx = leaf(in.query, dtype);
-  torch::Tensor src_mask = in.attn_mask;
-  if (c.is_causal) {
-    src_mask = plus_float_causal(src_mask, L, L, in.query.options());
-    note = "is_causal passed to torch::nn as a float src_mask";
-  }
-  auto out = ref->forward(rx.transpose(0, 1), src_mask, in.key_padding_mask)
-                 .transpose(0, 1);  // (N, L, E)
-  (out * g_out).sum().backward();
-  Parts parts = {{"output", out}, {"grad src", rx.grad()}};
-  auto ref_params = ref->named_parameters();
-  for (const auto& p : ours->named_parameters()) {
-    const auto* r = ref_params.find(p.key());
-    parts.push_back({"grad " + p.key(), r ? r->grad() : torch::Tensor()});
-  }
-  return parts;
-}
+}  // namespace detail
 
-/// run_case for an encoder-layer case.
-CaseResult run_encoder_case(const Case& c, const torch::Device& device,
-                            uint64_t seed) {
-  TORCH_CHECK(!c.kdim && !c.vdim && !c.add_bias_kv && !c.add_zero_attn,
-              "parity case ", c.name,
-              ": an encoder layer has no kdim, vdim, add_bias_kv or "
-              "add_zero_attn");
-  TORCH_CHECK(!c.unbatched || c.batch == 1, "parity case ", c.name,
-              ": unbatched needs batch = 1, but got ", c.batch);
-  const int64_t E = c.embed_dim;
-  const int64_t H = c.num_heads;
-  const int64_t N = c.batch;
-  const int64_t L = c.tgt_len;
-  const auto dtype = c.dtype;
-  torch::manual_seed(seed);
-
-  CaseResult result;
-  result.name = c.name;
-  result.tolerance = tolerance_for(dtype);
-  result.compared = "out+grads";
-
-  auto options = TransformerEncoderLayerOptions(E, H)
-                     .dim_feedforward(c.dim_feedforward)
-                     .dropout(0.0)
-                     .layer_norm_eps(c.layer_norm_eps)
-                     .batch_first(c.batch_first)
-                     .norm_first(c.norm_first)
-                     .bias(c.bias);
-  if (c.gelu) {
-    options.activation(torch::kGELU);
-  }
-  TransformerEncoderLayer ours(options);
-  {
-    // Biases away from 0 and norm weights away from 1, so that a misplaced
-    // one cannot hide.
-    torch::NoGradGuard no_grad;
-    for (auto& p : ours->named_parameters()) {
-      const bool norm = p.key().rfind("norm", 0) == 0;
-      if (p.key().find("bias") != std::string::npos) {
-        p.value().uniform_(-0.5, 0.5);
-      } else if (norm) {
-        p.value().uniform_(0.5, 1.5);
-      }
-    }
-  }
-  ours->to(device, dtype);
-  ours->eval();
-  auto pristine =
-      std::dynamic_pointer_cast<TransformerEncoderLayerImpl>(ours->clone());
-  if (c.tamper) {
-    torch::NoGradGuard no_grad;
-    c.tamper(*ours->self_attn);
-  }
-
-  auto on = torch::TensorOptions().dtype(dtype).device(device);
-  Inputs in;
-  in.query = in.key = in.value = torch::randn({N, L, E}, on);
-  make_masks(c, N, H, L, L, dtype, device, in);
-  const bool fully_masked = has_fully_masked_row(c, in, N, H, L, L);
-  auto g_out = torch::randn({N, L, E}, on);
-
-  // --- mha ---
-  auto x = leaf(in.query, dtype);
-  auto kpm = in.key_padding_mask;
-  if (kpm.defined() && c.unbatched) {
-    kpm = kpm.squeeze(0);
-  }
-  auto out = from_case_layout(
-      c, ours->forward(to_case_layout(c, x), in.attn_mask, kpm, c.is_causal));
-  (out * g_out).sum().backward();
-
-  // --- float64 reference ---
-  std::map<std::string, torch::Tensor> params64;
-  for (const auto& p : pristine->named_parameters()) {
-    params64[p.key()] = leaf(p.value(), torch::kFloat64);
-  }
-  Inputs in64 = in;
-  in64.query = in64.key = in64.value = leaf(in.query, torch::kFloat64);
-  auto out64 = reference_encoder_layer(options, c.gelu, params64, in64);
-  (out64 * g_out.to(torch::kFloat64)).sum().backward();
-
-  Parts mine_parts = {{"output", out}, {"grad src", x.grad()}};
-  Parts f64_parts = {{"output", out64}, {"grad src", in64.query.grad()}};
-  for (const auto& p : ours->named_parameters()) {
-    mine_parts.push_back({"grad " + p.key(), p.value().grad()});
-    f64_parts.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
-  }
-
-  // --- torch::nn::TransformerEncoderLayer, where it has the options ---
-  std::string lacks;
-  if (c.norm_first) {
-    lacks = "norm_first";
-  } else if (!c.bias) {
-    lacks = "bias=false";
-  } else if (c.layer_norm_eps != 1e-5) {
-    lacks = "layer_norm_eps";
-  }
-  Parts nn_parts;
-  std::string nn_threw, ref_diff;
-  if (lacks.empty()) {
-    ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
-    nn_parts = run_reference(
-        [&] {
-          return run_torch_nn_encoder(c, pristine, in, g_out, result.note);
-        },
-        nn_threw, result);
-  }
-  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
-  if (!lacks.empty()) {
-    result.note = "float64 only: torch::nn's layer has no " + lacks;
-  }
-  return result;
-}
-
-}  // namespace
+using namespace detail;  // NOLINT: this file's own helpers
 
 CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   if (c.encoder_layer) {
     return run_encoder_case(c, device, seed);
+  }
+  if (c.decoder_layer) {
+    return run_decoder_case(c, device, seed);
   }
   TORCH_CHECK(!c.unbatched || c.batch == 1, "parity case ", c.name,
               ": unbatched needs batch = 1, but got ", c.batch);

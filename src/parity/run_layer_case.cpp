@@ -1,0 +1,332 @@
+// mha::parity's layer cases: mha::TransformerEncoderLayer and
+// mha::TransformerDecoderLayer run three ways (mha, torch::nn's layer where
+// it has the case's options, the float64 reference) and judged part by part
+// (mha/parity.h, src/parity/case_tools.h).
+//
+// Glossary: N batch, L target length, S source (memory) length, E d_model,
+// H nhead.
+#include <map>
+#include <memory>
+#include <string>
+
+#include "case_tools.h"
+#include "mha/parity.h"
+#include "mha/weights.h"
+
+namespace mha::parity::detail {
+namespace {
+
+/// Biases away from 0 and norm weights away from 1, so that a misplaced
+/// one cannot hide.
+void spread_parameters(torch::nn::Module& layer) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : layer.named_parameters()) {
+    const bool norm = p.key().rfind("norm", 0) == 0;
+    if (p.key().find("bias") != std::string::npos) {
+      p.value().uniform_(-0.5, 0.5);
+    } else if (norm) {
+      p.value().uniform_(0.5, 1.5);
+    }
+  }
+}
+
+/// The option of the case torch::nn's layers lack ("" if none).
+std::string torch_nn_lacks(const Case& c) {
+  if (c.norm_first) {
+    return "norm_first";
+  }
+  if (!c.bias) {
+    return "bias=false";
+  }
+  if (c.layer_norm_eps != 1e-5) {
+    return "layer_norm_eps";
+  }
+  return "";
+}
+
+/// torch::nn::TransformerEncoderLayer on the weights of `ours` (post-norm,
+/// seq-first, eps 1e-5: the caller checked the case has those options);
+/// is_causal is passed as a float src_mask.
+Parts run_torch_nn_encoder(
+    const Case& c, const std::shared_ptr<TransformerEncoderLayerImpl>& ours,
+    const Inputs& in, const torch::Tensor& g_out, std::string& note) {
+  const auto dtype = c.dtype;
+  const int64_t L = in.query.size(1);
+  auto ref_options = torch::nn::TransformerEncoderLayerOptions(
+                         ours->options.d_model(), ours->options.nhead())
+                         .dim_feedforward(ours->options.dim_feedforward())
+                         .dropout(0.0);
+  if (c.gelu) {
+    ref_options.activation(torch::kGELU);
+  }
+  torch::nn::TransformerEncoderLayer ref(ref_options);
+  ref->to(in.query.device(), dtype);
+  ref->eval();
+  copy_weights(TransformerEncoderLayer(ours), ref);
+  auto rx = leaf(in.query, dtype);
+  torch::Tensor src_mask = in.attn_mask;
+  if (c.is_causal) {
+    src_mask = plus_float_causal(src_mask, L, L, in.query.options());
+    note = "is_causal passed to torch::nn as a float src_mask";
+  }
+  auto out = ref->forward(rx.transpose(0, 1), src_mask, in.key_padding_mask)
+                 .transpose(0, 1);  // (N, L, E)
+  (out * g_out).sum().backward();
+  Parts parts = {{"output", out}, {"grad src", rx.grad()}};
+  auto ref_params = ref->named_parameters();
+  for (const auto& p : ours->named_parameters()) {
+    const auto* r = ref_params.find(p.key());
+    parts.push_back({"grad " + p.key(), r ? r->grad() : torch::Tensor()});
+  }
+  return parts;
+}
+
+/// torch::nn::TransformerDecoderLayer on the weights of `ours` (post-norm,
+/// seq-first, eps 1e-5: the caller checked the case has those options),
+/// copied by parameter name; tgt_is_causal is passed as a float tgt_mask.
+Parts run_torch_nn_decoder(
+    const Case& c, const std::shared_ptr<TransformerDecoderLayerImpl>& ours,
+    const Inputs& in, const torch::Tensor& g_out, std::string& note) {
+  const int64_t L = in.query.size(1);
+  auto ref_options = torch::nn::TransformerDecoderLayerOptions(
+                         ours->options.d_model(), ours->options.nhead())
+                         .dim_feedforward(ours->options.dim_feedforward())
+                         .dropout(0.0);
+  if (c.gelu) {
+    ref_options.activation(torch::kGELU);
+  }
+  torch::nn::TransformerDecoderLayer ref(ref_options);
+  ref->to(in.query.device(), c.dtype);
+  ref->eval();
+  auto ref_params = ref->named_parameters();
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : ours->named_parameters()) {
+      auto* r = ref_params.find(p.key());
+      TORCH_CHECK(r != nullptr && r->sizes() == p.value().sizes(),
+                  "torch::nn::TransformerDecoderLayer has no parameter ",
+                  p.key(), " of shape ", p.value().sizes());
+      r->copy_(p.value());
+    }
+  }
+  auto rx = leaf(in.query, c.dtype);
+  auto rm = leaf(in.key, c.dtype);
+  torch::Tensor tgt_mask;
+  if (c.is_causal) {
+    tgt_mask = plus_float_causal(torch::Tensor(), L, L, in.query.options());
+    note = "tgt_is_causal passed to torch::nn as a float tgt_mask";
+  }
+  auto out = ref->forward(rx.transpose(0, 1), rm.transpose(0, 1), tgt_mask,
+                          in.attn_mask, torch::Tensor(), in.key_padding_mask)
+                 .transpose(0, 1);  // (N, L, E)
+  (out * g_out).sum().backward();
+  Parts parts = {
+      {"output", out}, {"grad tgt", rx.grad()}, {"grad memory", rm.grad()}};
+  for (const auto& p : ours->named_parameters()) {
+    parts.push_back({"grad " + p.key(), ref_params[p.key()].grad()});
+  }
+  return parts;
+}
+
+}  // namespace
+
+CaseResult run_encoder_case(const Case& c, const torch::Device& device,
+                            uint64_t seed) {
+  TORCH_CHECK(!c.kdim && !c.vdim && !c.add_bias_kv && !c.add_zero_attn,
+              "parity case ", c.name,
+              ": an encoder layer has no kdim, vdim, add_bias_kv or "
+              "add_zero_attn");
+  TORCH_CHECK(!c.unbatched || c.batch == 1, "parity case ", c.name,
+              ": unbatched needs batch = 1, but got ", c.batch);
+  const int64_t E = c.embed_dim;
+  const int64_t H = c.num_heads;
+  const int64_t N = c.batch;
+  const int64_t L = c.tgt_len;
+  const auto dtype = c.dtype;
+  torch::manual_seed(seed);
+
+  CaseResult result;
+  result.name = c.name;
+  result.tolerance = tolerance_for(dtype);
+  result.compared = "out+grads";
+
+  auto options = TransformerEncoderLayerOptions(E, H)
+                     .dim_feedforward(c.dim_feedforward)
+                     .dropout(0.0)
+                     .layer_norm_eps(c.layer_norm_eps)
+                     .batch_first(c.batch_first)
+                     .norm_first(c.norm_first)
+                     .bias(c.bias);
+  if (c.gelu) {
+    options.activation(torch::kGELU);
+  }
+  TransformerEncoderLayer ours(options);
+  spread_parameters(*ours);
+  ours->to(device, dtype);
+  ours->eval();
+  auto pristine =
+      std::dynamic_pointer_cast<TransformerEncoderLayerImpl>(ours->clone());
+  if (c.tamper) {
+    torch::NoGradGuard no_grad;
+    c.tamper(*ours->self_attn);
+  }
+
+  auto on = torch::TensorOptions().dtype(dtype).device(device);
+  Inputs in;
+  in.query = in.key = in.value = torch::randn({N, L, E}, on);
+  make_masks(c, N, H, L, L, dtype, device, in);
+  const bool fully_masked = has_fully_masked_row(c, in, N, H, L, L);
+  auto g_out = torch::randn({N, L, E}, on);
+
+  // --- mha ---
+  auto x = leaf(in.query, dtype);
+  auto kpm = in.key_padding_mask;
+  if (kpm.defined() && c.unbatched) {
+    kpm = kpm.squeeze(0);
+  }
+  auto out = from_case_layout(
+      c, ours->forward(to_case_layout(c, x), in.attn_mask, kpm, c.is_causal));
+  (out * g_out).sum().backward();
+
+  // --- float64 reference ---
+  std::map<std::string, torch::Tensor> params64;
+  for (const auto& p : pristine->named_parameters()) {
+    params64[p.key()] = leaf(p.value(), torch::kFloat64);
+  }
+  Inputs in64 = in;
+  in64.query = in64.key = in64.value = leaf(in.query, torch::kFloat64);
+  auto out64 = reference_encoder_layer(options, c.gelu, params64, in64);
+  (out64 * g_out.to(torch::kFloat64)).sum().backward();
+
+  Parts mine_parts = {{"output", out}, {"grad src", x.grad()}};
+  Parts f64_parts = {{"output", out64}, {"grad src", in64.query.grad()}};
+  for (const auto& p : ours->named_parameters()) {
+    mine_parts.push_back({"grad " + p.key(), p.value().grad()});
+    f64_parts.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
+  }
+
+  // --- torch::nn::TransformerEncoderLayer, where it has the options ---
+  const std::string lacks = torch_nn_lacks(c);
+  Parts nn_parts;
+  std::string nn_threw, ref_diff;
+  if (lacks.empty()) {
+    ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
+    nn_parts = run_reference(
+        [&] {
+          return run_torch_nn_encoder(c, pristine, in, g_out, result.note);
+        },
+        nn_threw, result);
+  }
+  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
+  if (!lacks.empty()) {
+    result.note = "float64 only: torch::nn's layer has no " + lacks;
+  }
+  return result;
+}
+
+CaseResult run_decoder_case(const Case& c, const torch::Device& device,
+                            uint64_t seed) {
+  TORCH_CHECK(!c.kdim && !c.vdim && !c.add_bias_kv && !c.add_zero_attn &&
+                  !c.self_attention,
+              "parity case ", c.name,
+              ": a decoder layer has no kdim, vdim, add_bias_kv, "
+              "add_zero_attn or self_attention");
+  TORCH_CHECK(!c.unbatched || c.batch == 1, "parity case ", c.name,
+              ": unbatched needs batch = 1, but got ", c.batch);
+  const int64_t E = c.embed_dim;
+  const int64_t H = c.num_heads;
+  const int64_t N = c.batch;
+  const int64_t L = c.tgt_len;
+  const int64_t S = c.src_len;
+  const auto dtype = c.dtype;
+  torch::manual_seed(seed);
+
+  CaseResult result;
+  result.name = c.name;
+  result.tolerance = tolerance_for(dtype);
+  result.compared = "out+grads";
+
+  auto options = TransformerDecoderLayerOptions(E, H)
+                     .dim_feedforward(c.dim_feedforward)
+                     .dropout(0.0)
+                     .layer_norm_eps(c.layer_norm_eps)
+                     .batch_first(c.batch_first)
+                     .norm_first(c.norm_first)
+                     .bias(c.bias);
+  if (c.gelu) {
+    options.activation(torch::kGELU);
+  }
+  TransformerDecoderLayer ours(options);
+  spread_parameters(*ours);
+  ours->to(device, dtype);
+  ours->eval();
+  auto pristine =
+      std::dynamic_pointer_cast<TransformerDecoderLayerImpl>(ours->clone());
+  if (c.tamper) {
+    torch::NoGradGuard no_grad;
+    c.tamper(*ours->multihead_attn);
+  }
+
+  auto on = torch::TensorOptions().dtype(dtype).device(device);
+  Inputs in;
+  in.query = torch::randn({N, L, E}, on);           // tgt
+  in.key = in.value = torch::randn({N, S, E}, on);  // memory
+  make_masks(c, N, H, L, S, dtype, device, in);     // memory's masks
+  Inputs cross = in;
+  cross.is_causal = false;  // is_causal is the target's
+  const bool fully_masked = has_fully_masked_row(c, cross, N, H, L, S);
+  auto g_out = torch::randn({N, L, E}, on);
+
+  // --- mha ---
+  auto x = leaf(in.query, dtype);
+  auto m = leaf(in.key, dtype);
+  auto kpm = in.key_padding_mask;
+  if (kpm.defined() && c.unbatched) {
+    kpm = kpm.squeeze(0);
+  }
+  auto out = from_case_layout(
+      c, ours->forward(to_case_layout(c, x), to_case_layout(c, m), {},
+                       in.attn_mask, {}, kpm, c.is_causal));
+  (out * g_out).sum().backward();
+
+  // --- float64 reference ---
+  std::map<std::string, torch::Tensor> params64;
+  for (const auto& p : pristine->named_parameters()) {
+    params64[p.key()] = leaf(p.value(), torch::kFloat64);
+  }
+  Inputs in64 = in;
+  in64.query = leaf(in.query, torch::kFloat64);
+  in64.key = in64.value = leaf(in.key, torch::kFloat64);
+  auto out64 = reference_decoder_layer(options, c.gelu, params64, in64);
+  (out64 * g_out.to(torch::kFloat64)).sum().backward();
+
+  Parts mine_parts = {
+      {"output", out}, {"grad tgt", x.grad()}, {"grad memory", m.grad()}};
+  Parts f64_parts = {{"output", out64},
+                     {"grad tgt", in64.query.grad()},
+                     {"grad memory", in64.key.grad()}};
+  for (const auto& p : ours->named_parameters()) {
+    mine_parts.push_back({"grad " + p.key(), p.value().grad()});
+    f64_parts.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
+  }
+
+  // --- torch::nn::TransformerDecoderLayer, where it has the options ---
+  const std::string lacks = torch_nn_lacks(c);
+  Parts nn_parts;
+  std::string nn_threw, ref_diff;
+  if (lacks.empty()) {
+    ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
+    nn_parts = run_reference(
+        [&] {
+          return run_torch_nn_decoder(c, pristine, in, g_out, result.note);
+        },
+        nn_threw, result);
+  }
+  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
+  if (!lacks.empty()) {
+    result.note = "float64 only: torch::nn's layer has no " + lacks;
+  }
+  return result;
+}
+
+}  // namespace mha::parity::detail
