@@ -8,18 +8,21 @@ their forward; their state dicts, inputs, outputs and the gradients of the
 inputs and of every parameter are stored for the C++ tests to load into mha's
 modules and compare against (1e-5 in float32, 1e-10 in float64).
 
-Run it with PyTorch >= 2.1 (the layers' `bias`), e.g. the Python of the
-Debian sid lab chroot, from the repository root:
+Run it from the repository root with PyTorch 2.x (the Python of the Debian
+sid lab chroot) for tests/fixtures/decoder/, and with the host's PyTorch
+1.13 for tests/fixtures/decoder-1.13/ (its layers have no `bias` and no
+`tgt_is_causal`: the fixtures that need them are left out):
 
     /work/shared/tools/in-trixie.sh -r /opt/sid "$PWD" -- \
         python3 scripts/make_decoder_fixtures.py
+    /usr/bin/python3 scripts/make_decoder_fixtures.py tests/fixtures/decoder-1.13
 
 Everything is seeded: a rerun with the same PyTorch writes the same bytes.
 It reuses the safetensors writer and helpers of scripts/make_fixtures.py.
 
 Fixture format (version 1)
 --------------------------
-tests/fixtures/decoder/decoder.json:
+DIR/decoder.json (DIR: tests/fixtures/decoder or the argument):
     {"format": 1, "generator": "scripts/make_decoder_fixtures.py",
      "torch_version": "...", "fixtures": [FIXTURE, ...]}
 
@@ -53,6 +56,7 @@ FIXTURE:
             input; grad.<parameter name>: the same for every parameter.
 """
 
+import inspect
 import json
 import os
 import sys
@@ -63,8 +67,13 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_fixtures import padding_mask, perturb, write_safetensors  # noqa
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                       "tests", "fixtures", "decoder")
+OUT_DIR = (sys.argv[1] if len(sys.argv) > 1 else
+           os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                        "tests", "fixtures", "decoder"))
+# PyTorch >= 2.1: the layers' `bias`; >= 2.0: forward's `tgt_is_causal`.
+HAS_BIAS = "bias" in inspect.signature(nn.TransformerDecoderLayer).parameters
+HAS_IS_CAUSAL = "tgt_is_causal" in inspect.signature(
+    nn.TransformerDecoderLayer.forward).parameters
 
 
 def layer_options(d_model, nhead, dim_feedforward, activation="relu",
@@ -77,12 +86,17 @@ def layer_options(d_model, nhead, dim_feedforward, activation="relu",
             "bias": bias}
 
 
+def bias_kwarg(o):
+    """{"bias": ...} where this PyTorch has the option (1.13: always on)."""
+    return {"bias": o["bias"]} if HAS_BIAS else {}
+
+
 def make_layer(o):
     return nn.TransformerDecoderLayer(
         o["d_model"], o["nhead"], dim_feedforward=o["dim_feedforward"],
         dropout=o["dropout"], activation=o["activation"],
         layer_norm_eps=o["layer_norm_eps"], batch_first=o["batch_first"],
-        norm_first=o["norm_first"], bias=o["bias"])
+        norm_first=o["norm_first"], **bias_kwarg(o))
 
 
 def sequence(o, n, length, dtype):
@@ -106,11 +120,13 @@ def fixture(name, module, options, dtype=torch.float32, N=2, T=5, S=6,
             memory_mask=None, src_mask=None, pt=False):
     torch.manual_seed(sum(map(ord, name)))
     layer = options["layer"] if module == "TransformerDecoder" else options
+    if not layer["bias"] and not HAS_BIAS:
+        return None  # PyTorch < 2.1: no bias=False
     if module == "TransformerDecoderLayer":
         m = make_layer(options)
     elif module == "TransformerDecoder":
         norm = (nn.LayerNorm(layer["d_model"], eps=layer["layer_norm_eps"],
-                             bias=layer["bias"])
+                             **bias_kwarg(layer))
                 if options["norm"] else None)
         m = nn.TransformerDecoder(make_layer(layer), options["num_layers"],
                                   norm=norm)
@@ -123,7 +139,7 @@ def fixture(name, module, options, dtype=torch.float32, N=2, T=5, S=6,
             dropout=options["dropout"], activation=options["activation"],
             layer_norm_eps=options["layer_norm_eps"],
             batch_first=options["batch_first"],
-            norm_first=options["norm_first"], bias=options["bias"])
+            norm_first=options["norm_first"], **bias_kwarg(options))
     m = m.to(dtype)
     perturb(m)
     m.eval()
@@ -163,7 +179,9 @@ def fixture(name, module, options, dtype=torch.float32, N=2, T=5, S=6,
     forward = {"tgt_is_causal": tgt_mask is not None,
                "memory_is_causal": False}
     args = [data[x] for x in inputs]
-    output = m(*args, tgt_is_causal=forward["tgt_is_causal"], **kwargs)
+    if HAS_IS_CAUSAL:
+        kwargs["tgt_is_causal"] = forward["tgt_is_causal"]
+    output = m(*args, **kwargs)
     grad_out = torch.randn_like(output)
     params = list(m.named_parameters())
     grads = torch.autograd.grad((output * grad_out).sum(),
@@ -238,6 +256,7 @@ def main():
                 dtype=f64, tgt_lengths=[5, 4], memory_lengths=[6, 2],
                 memory_mask="float"),
     ]
+    fixtures = [f for f in fixtures if f is not None]
     index = {"format": 1, "generator": "scripts/make_decoder_fixtures.py",
              "torch_version": torch.__version__, "fixtures": fixtures}
     with open(os.path.join(OUT_DIR, "decoder.json"), "w") as f:

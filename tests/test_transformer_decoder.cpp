@@ -1,5 +1,6 @@
 // TransformerDecoderLayer, TransformerDecoder, Transformer and cached
-// decoding, against Python PyTorch's numbers (tests/fixtures/decoder/, from
+// decoding, against Python PyTorch 2.14's and 1.13's numbers
+// (tests/fixtures/decoder/ and decoder-1.13/, from
 // scripts/make_decoder_fixtures.py), LibTorch's torch::nn modules and the
 // modules' own full forward.
 //
@@ -25,14 +26,18 @@ const double kInf = std::numeric_limits<double>::infinity();
 
 // ------------------------------------------------------------- fixtures ---
 
-const nlohmann::json& decoder_index() {
-  static const nlohmann::json json = [] {
-    std::ifstream in(fixtures::path("decoder/decoder.json"));
-    TORCH_CHECK(in.is_open(), "cannot open decoder/decoder.json");
-    return nlohmann::json::parse(in);
-  }();
-  return json;
-}
+/// The fixture directories: Python PyTorch 2.14's and 1.13's
+/// (scripts/make_decoder_fixtures.py).
+const std::vector<std::string> kFixtureDirs = {"decoder", "decoder-1.13"};
+
+/// One fixture and the directory its files are in.
+struct DecoderFixture {
+  std::string dir;
+  nlohmann::json json;
+  std::string file(const std::string& key) const {
+    return fixtures::path(dir + "/" + json.at(key).get<std::string>());
+  }
+};
 
 mha::TransformerDecoderLayerOptions decoder_layer_options(
     const nlohmann::json& o) {
@@ -77,20 +82,22 @@ torch::Tensor get(const torch::OrderedDict<std::string, torch::Tensor>& data,
 /// `call(inputs)` and compares output, input and parameter gradients with
 /// Python's: 1e-5 (float32) or 1e-10 (float64), absolute and relative.
 template <typename Holder, typename Call>
-void check_fixture(Holder& module, const nlohmann::json& fixture,
+void check_fixture(Holder& module, const DecoderFixture& f,
                    const std::vector<std::string>& inputs, Call&& call) {
+  const auto& fixture = f.json;
   const bool f64 = fixture.at("dtype") == "float64";
   const double tol = f64 ? 1e-10 : 1e-5;
   if (f64) {
     module->to(torch::kFloat64);
   }
   module->eval();
-  auto data = mha::read_state_dict(
-      fixtures::path("decoder/" + fixture.at("data").get<std::string>()));
+  auto data = mha::read_state_dict(f.file("data"));
   for (const auto& [format, file] : fixture.at("state_dict").items()) {
-    SCOPED_TRACE(fixture.at("name").get<std::string>() + " from " + format);
+    SCOPED_TRACE(f.dir + "/" + fixture.at("name").get<std::string>() +
+                 " from " + format);
     auto result = mha::load_state_dict(
-        *module, fixtures::path("decoder/" + file.template get<std::string>()));
+        *module,
+        fixtures::path(f.dir + "/" + file.template get<std::string>()));
     EXPECT_TRUE(result.missing_keys.empty() && result.unexpected_keys.empty());
     module->zero_grad();
     std::vector<torch::Tensor> leaves;
@@ -114,11 +121,17 @@ void check_fixture(Holder& module, const nlohmann::json& fixture,
   }
 }
 
-std::vector<nlohmann::json> decoder_fixtures(const std::string& module) {
-  std::vector<nlohmann::json> found;
-  for (const auto& f : decoder_index().at("fixtures")) {
-    if (f.at("module") == module) {
-      found.push_back(f);
+/// Every fixture of one module kind, from both PyTorch versions.
+std::vector<DecoderFixture> decoder_fixtures(const std::string& module) {
+  std::vector<DecoderFixture> found;
+  for (const auto& dir : kFixtureDirs) {
+    std::ifstream in(fixtures::path(dir + "/decoder.json"));
+    TORCH_CHECK(in.is_open(), "cannot open ", dir, "/decoder.json");
+    const auto index = nlohmann::json::parse(in);
+    for (const auto& f : index.at("fixtures")) {
+      if (f.at("module") == module) {
+        found.push_back({dir, f});
+      }
     }
   }
   return found;
@@ -126,11 +139,11 @@ std::vector<nlohmann::json> decoder_fixtures(const std::string& module) {
 
 TEST(DecoderFixtureTest, DecoderLayersFromPythonMatch) {
   const auto all = decoder_fixtures("TransformerDecoderLayer");
-  ASSERT_GE(all.size(), 5u);
+  ASSERT_GE(all.size(), 9u);
   for (const auto& fixture : all) {
     mha::TransformerDecoderLayer layer(
-        decoder_layer_options(fixture.at("options")));
-    const bool causal = fixture.at("forward").at("tgt_is_causal");
+        decoder_layer_options(fixture.json.at("options")));
+    const bool causal = fixture.json.at("forward").at("tgt_is_causal");
     check_fixture(layer, fixture, {"tgt", "memory"},
                   [&](const std::vector<torch::Tensor>& x, auto& data) {
                     return layer(x[0], x[1], get(data, "tgt_mask"),
@@ -143,9 +156,9 @@ TEST(DecoderFixtureTest, DecoderLayersFromPythonMatch) {
 
 TEST(DecoderFixtureTest, DecoderWithFinalNormFromPythonMatches) {
   const auto all = decoder_fixtures("TransformerDecoder");
-  ASSERT_GE(all.size(), 1u);
+  ASSERT_GE(all.size(), 2u);
   for (const auto& fixture : all) {
-    const auto& o = fixture.at("options");
+    const auto& o = fixture.json.at("options");
     auto options = mha::TransformerDecoderOptions(
         mha::TransformerDecoderLayer(decoder_layer_options(o.at("layer"))),
         o.at("num_layers"));
@@ -167,16 +180,16 @@ TEST(DecoderFixtureTest, DecoderWithFinalNormFromPythonMatches) {
 
 TEST(DecoderFixtureTest, TransformersFromPythonMatch) {
   const auto all = decoder_fixtures("Transformer");
-  ASSERT_GE(all.size(), 3u);
+  ASSERT_GE(all.size(), 5u);
   for (const auto& fixture : all) {
-    mha::Transformer model(transformer_options(fixture.at("options")));
+    mha::Transformer model(transformer_options(fixture.json.at("options")));
     // Python's state-dict keys, in Python's order.
     std::vector<std::string> keys;
     for (const auto& item : model->named_parameters()) {
       keys.push_back(item.key());
     }
-    EXPECT_EQ(keys, fixture.at("keys").get<std::vector<std::string>>());
-    const bool causal = fixture.at("forward").at("tgt_is_causal");
+    EXPECT_EQ(keys, fixture.json.at("keys").get<std::vector<std::string>>());
+    const bool causal = fixture.json.at("forward").at("tgt_is_causal");
     check_fixture(model, fixture, {"src", "tgt"},
                   [&](const std::vector<torch::Tensor>& x, auto& data) {
                     return model(
