@@ -21,10 +21,11 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
   auto cases = mha::parity::default_cases();
   ASSERT_GE(cases.size(), 30u);
   std::set<std::string> names;
-  int ref_diffs = 0, encoder_rows = 0, decoder_rows = 0;
+  int ref_diffs = 0, encoder_rows = 0, decoder_rows = 0, transformer_rows = 0;
   for (const auto& c : cases) {
     encoder_rows += c.encoder_layer ? 1 : 0;
     decoder_rows += c.decoder_layer ? 1 : 0;
+    transformer_rows += c.transformer ? 1 : 0;
     EXPECT_TRUE(names.insert(c.name).second) << "duplicate " << c.name;
     auto r = mha::parity::run_case(c, torch::kCPU, 0);
     EXPECT_NE(r.status, Status::kFail) << c.name << ": " << r.note;
@@ -37,7 +38,8 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
       EXPECT_FALSE(r.torch_nn.within) << c.name;
     } else if (r.note.rfind("float64 only", 0) == 0) {
       // Options torch::nn's layers lack (norm_first, bias=false).
-      EXPECT_TRUE(c.encoder_layer || c.decoder_layer) << c.name;
+      EXPECT_TRUE(c.encoder_layer || c.decoder_layer || c.transformer)
+          << c.name;
       EXPECT_FALSE(r.torch_nn.used) << c.name;
     } else {
       EXPECT_TRUE(r.torch_nn.used) << c.name;
@@ -46,6 +48,7 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
   EXPECT_GT(ref_diffs, 0);
   EXPECT_GE(encoder_rows, 10);
   EXPECT_GE(decoder_rows, 10);
+  EXPECT_GE(transformer_rows, 6);
 }
 
 TEST_F(ParityTest, PlantedFaultInDecoderLayerFails) {
@@ -67,6 +70,15 @@ TEST_F(ParityTest, PlantedFaultInDecoderLayerFails) {
   EXPECT_FALSE(r.float64.within);
   c.norm_first = true;  // float64 alone catches it too
   EXPECT_EQ(mha::parity::run_case(c, torch::kCPU, 0).status, Status::kFail);
+  // The same fault in the second decoder layer of a whole Transformer.
+  c.decoder_layer = false;
+  c.transformer = true;
+  c.norm_first = false;
+  EXPECT_EQ(mha::parity::run_case(c, torch::kCPU, 0).status, Status::kFail);
+  c.tamper = nullptr;
+  auto whole = mha::parity::run_case(c, torch::kCPU, 0);
+  EXPECT_EQ(whole.status, Status::kPass) << whole.note;
+  EXPECT_TRUE(whole.torch_nn.used);
 }
 
 TEST_F(ParityTest, PlantedFaultInEncoderLayerFails) {

@@ -45,7 +45,12 @@ struct Case {
   /// memory_key_padding_mask, is_causal is tgt_is_causal; the attention
   /// fields apply to both self_attn and multihead_attn.
   bool decoder_layer = false;
-  int64_t dim_feedforward = 16;  ///< encoder or decoder layer only
+  /// Checks a whole Transformer (2 encoder and 2 decoder layers, final
+  /// norms): the query is tgt, the key is src (N, S, E);
+  /// key_padding_mask is src_key_padding_mask and memory_key_padding_mask,
+  /// attn_mask is memory_mask, is_causal is tgt_is_causal.
+  bool transformer = false;
+  int64_t dim_feedforward = 16;  ///< layers and Transformer only
   bool gelu = false;             ///< layers only: gelu, else relu
   bool norm_first = false;       ///< layers only
   double layer_norm_eps = 1e-5;  ///< layers only
@@ -175,6 +180,17 @@ torch::Tensor reference_encoder_layer(
 /// Returns the output (N, L, E).
 torch::Tensor reference_decoder_layer(
     const TransformerDecoderLayerOptions& options, bool gelu,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& inputs);
+
+/// Independent float64 Transformer: reference_encoder_layer for every
+/// encoder layer on inputs.key (src, with inputs.key_padding_mask as
+/// src_key_padding_mask), the encoder's final norm, then
+/// reference_decoder_layer for every decoder layer (memory masks as there),
+/// the decoder's final norm. `params` by PyTorch name (encoder.layers.0.*,
+/// encoder.norm.*, decoder.layers.0.*, decoder.norm.*). Returns the output
+/// (N, L, E).
+torch::Tensor reference_transformer(
+    const TransformerOptions& options, bool gelu,
     const std::map<std::string, torch::Tensor>& params, const Inputs& inputs);
 
 }  // namespace mha::parity

@@ -1,6 +1,7 @@
 // Internal to mha::parity: what run_case.cpp (attention cases) and
-// run_layer_case.cpp (encoder and decoder layer cases) share: the case's
-// masks and layouts, the reference runs and the judgement (mha/parity.h).
+// run_layer_case.cpp (encoder and decoder layer and Transformer cases) share:
+// the case's masks and layouts, the reference runs and the judgement
+// (mha/parity.h).
 //
 // Glossary: N batch, L target length, S source length, E embed_dim,
 // H num_heads.
@@ -78,5 +79,9 @@ CaseResult run_encoder_case(const Case& c, const torch::Device& device,
 /// run_case for a decoder-layer case (Case::decoder_layer).
 CaseResult run_decoder_case(const Case& c, const torch::Device& device,
                             uint64_t seed);
+
+/// run_case for a Transformer case (Case::transformer).
+CaseResult run_transformer_case(const Case& c, const torch::Device& device,
+                                uint64_t seed);
 
 }  // namespace mha::parity::detail

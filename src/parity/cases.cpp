@@ -171,6 +171,25 @@ std::vector<Case> default_cases() {
     c.batch = 1;
     c.is_causal = true;
   });
+  add_case("transformer-causal+padding", [](Case& c) {
+    c.transformer = true;
+    c.is_causal = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
+  add_case("transformer-gelu-seq-first+memory_mask", [](Case& c) {
+    c.transformer = true;
+    c.gelu = true;
+    c.batch_first = false;
+    c.is_causal = true;
+    c.attn_mask = MaskKind::kFloat;
+  });
+  add_case("transformer-norm_first-bias-off+padding", [](Case& c) {
+    c.transformer = true;
+    c.norm_first = true;
+    c.bias = false;
+    c.is_causal = true;
+    c.key_padding_mask = MaskKind::kBool;
+  });
   return cases;
 }
 

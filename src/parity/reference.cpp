@@ -1,6 +1,6 @@
 // mha::parity's independent references: multi-head attention and the
-// encoder and decoder layers written plainly from their formulas
-// (mha/parity.h), run in float64 by the checker.
+// encoder and decoder layers and the Transformer written plainly from their
+// formulas (mha/parity.h), run in float64 by the checker.
 //
 // Glossary: N batch, L target length, S source length, S' = S plus the
 // add_bias_kv / add_zero_attn positions, E embed_dim, H num_heads,
@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <string>
 
 #include "mha/parity.h"
 #include "mha/weights.h"
@@ -233,6 +234,38 @@ torch::Tensor reference_decoder_layer(
   x = layer.norm(x + self_attention(x), "norm1");
   x = layer.norm(x + cross_attention(x), "norm2");
   return layer.norm(x + layer.feed_forward(x), "norm3");
+}
+
+torch::Tensor reference_transformer(
+    const TransformerOptions& options, bool gelu,
+    const std::map<std::string, torch::Tensor>& params, const Inputs& in) {
+  const LayerPieces pieces{params, options.layer_norm_eps(), gelu};
+  const auto E = options.d_model();
+  const auto H = options.nhead();
+  const auto encoder_layer = TransformerEncoderLayerOptions(E, H)
+                                 .layer_norm_eps(options.layer_norm_eps())
+                                 .norm_first(options.norm_first())
+                                 .bias(options.bias());
+  Inputs src;  // self-attention over src with its padding
+  src.query = src.key = src.value = in.key;
+  src.key_padding_mask = in.key_padding_mask;
+  for (int64_t i = 0; i < options.num_encoder_layers(); ++i) {
+    src.query = src.key = src.value = reference_encoder_layer(
+        encoder_layer, gelu,
+        sub_params(params, "encoder.layers." + std::to_string(i) + "."), src);
+  }
+  Inputs tgt = in;
+  tgt.key = tgt.value = pieces.norm(src.query, "encoder.norm");  // memory
+  const auto decoder_layer = TransformerDecoderLayerOptions(E, H)
+                                 .layer_norm_eps(options.layer_norm_eps())
+                                 .norm_first(options.norm_first())
+                                 .bias(options.bias());
+  for (int64_t i = 0; i < options.num_decoder_layers(); ++i) {
+    tgt.query = reference_decoder_layer(
+        decoder_layer, gelu,
+        sub_params(params, "decoder.layers." + std::to_string(i) + "."), tgt);
+  }
+  return pieces.norm(tgt.query, "decoder.norm");
 }
 
 }  // namespace mha::parity

@@ -350,6 +350,9 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   if (c.decoder_layer) {
     return run_decoder_case(c, device, seed);
   }
+  if (c.transformer) {
+    return run_transformer_case(c, device, seed);
+  }
   TORCH_CHECK(!c.unbatched || c.batch == 1, "parity case ", c.name,
               ": unbatched needs batch = 1, but got ", c.batch);
   const int64_t E = c.embed_dim;

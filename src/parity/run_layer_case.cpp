@@ -1,7 +1,7 @@
-// mha::parity's layer cases: mha::TransformerEncoderLayer and
-// mha::TransformerDecoderLayer run three ways (mha, torch::nn's layer where
-// it has the case's options, the float64 reference) and judged part by part
-// (mha/parity.h, src/parity/case_tools.h).
+// mha::parity's layer cases: mha::TransformerEncoderLayer,
+// mha::TransformerDecoderLayer and mha::Transformer run three ways (mha,
+// torch::nn's layer where it has the case's options, the float64 reference) and
+// judged part by part (mha/parity.h, src/parity/case_tools.h).
 //
 // Glossary: N batch, L target length, S source (memory) length, E d_model,
 // H nhead.
@@ -42,6 +42,20 @@ std::string torch_nn_lacks(const Case& c) {
     return "layer_norm_eps";
   }
   return "";
+}
+
+/// Copies every parameter of `from` into the parameter of `to` with the
+/// same name (torch::nn's layers use PyTorch's names, as mha's).
+void copy_by_name(torch::nn::Module& from, torch::nn::Module& to,
+                  const char* to_name) {
+  torch::NoGradGuard no_grad;
+  auto to_params = to.named_parameters();
+  for (const auto& p : from.named_parameters()) {
+    auto* r = to_params.find(p.key());
+    TORCH_CHECK(r != nullptr && r->sizes() == p.value().sizes(), to_name,
+                " has no parameter ", p.key(), " of shape ", p.value().sizes());
+    r->copy_(p.value());
+  }
 }
 
 /// torch::nn::TransformerEncoderLayer on the weights of `ours` (post-norm,
@@ -98,17 +112,7 @@ Parts run_torch_nn_decoder(
   torch::nn::TransformerDecoderLayer ref(ref_options);
   ref->to(in.query.device(), c.dtype);
   ref->eval();
-  auto ref_params = ref->named_parameters();
-  {
-    torch::NoGradGuard no_grad;
-    for (const auto& p : ours->named_parameters()) {
-      auto* r = ref_params.find(p.key());
-      TORCH_CHECK(r != nullptr && r->sizes() == p.value().sizes(),
-                  "torch::nn::TransformerDecoderLayer has no parameter ",
-                  p.key(), " of shape ", p.value().sizes());
-      r->copy_(p.value());
-    }
-  }
+  copy_by_name(*ours, *ref, "torch::nn::TransformerDecoderLayer");
   auto rx = leaf(in.query, c.dtype);
   auto rm = leaf(in.key, c.dtype);
   torch::Tensor tgt_mask;
@@ -122,6 +126,50 @@ Parts run_torch_nn_decoder(
   (out * g_out).sum().backward();
   Parts parts = {
       {"output", out}, {"grad tgt", rx.grad()}, {"grad memory", rm.grad()}};
+  auto ref_params = ref->named_parameters();
+  for (const auto& p : ours->named_parameters()) {
+    parts.push_back({"grad " + p.key(), ref_params[p.key()].grad()});
+  }
+  return parts;
+}
+
+/// torch::nn::Transformer on the weights of `ours` (post-norm, seq-first,
+/// eps 1e-5, final norms: the caller checked the case has those options),
+/// copied by parameter name; tgt_is_causal is passed as a float tgt_mask.
+Parts run_torch_nn_transformer(const Case& c,
+                               const std::shared_ptr<TransformerImpl>& ours,
+                               const Inputs& in, const torch::Tensor& g_out,
+                               std::string& note) {
+  const int64_t L = in.query.size(1);
+  auto ref_options = torch::nn::TransformerOptions(
+                         ours->options.d_model(), ours->options.nhead(),
+                         ours->options.num_encoder_layers(),
+                         ours->options.num_decoder_layers())
+                         .dim_feedforward(ours->options.dim_feedforward())
+                         .dropout(0.0);
+  if (c.gelu) {
+    ref_options.activation(torch::kGELU);
+  }
+  torch::nn::Transformer ref(ref_options);
+  ref->to(in.query.device(), c.dtype);
+  ref->eval();
+  copy_by_name(*ours, *ref, "torch::nn::Transformer");
+  auto rx = leaf(in.query, c.dtype);
+  auto rs = leaf(in.key, c.dtype);
+  torch::Tensor tgt_mask;
+  if (c.is_causal) {
+    tgt_mask = plus_float_causal(torch::Tensor(), L, L, in.query.options());
+    note = "tgt_is_causal passed to torch::nn as a float tgt_mask";
+  }
+  auto out =
+      ref->forward(rs.transpose(0, 1), rx.transpose(0, 1), torch::Tensor(),
+                   tgt_mask, in.attn_mask, in.key_padding_mask, torch::Tensor(),
+                   in.key_padding_mask)
+          .transpose(0, 1);  // (N, L, E)
+  (out * g_out).sum().backward();
+  Parts parts = {
+      {"output", out}, {"grad tgt", rx.grad()}, {"grad src", rs.grad()}};
+  auto ref_params = ref->named_parameters();
   for (const auto& p : ours->named_parameters()) {
     parts.push_back({"grad " + p.key(), ref_params[p.key()].grad()});
   }
@@ -325,6 +373,107 @@ CaseResult run_decoder_case(const Case& c, const torch::Device& device,
   judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
   if (!lacks.empty()) {
     result.note = "float64 only: torch::nn's layer has no " + lacks;
+  }
+  return result;
+}
+
+CaseResult run_transformer_case(const Case& c, const torch::Device& device,
+                                uint64_t seed) {
+  TORCH_CHECK(!c.kdim && !c.vdim && !c.add_bias_kv && !c.add_zero_attn &&
+                  !c.self_attention && !c.unbatched && !c.attn_mask_3d,
+              "parity case ", c.name,
+              ": a Transformer case has no kdim, vdim, add_bias_kv, "
+              "add_zero_attn, self_attention, unbatched or 3-D masks");
+  const int64_t E = c.embed_dim;
+  const int64_t H = c.num_heads;
+  const int64_t N = c.batch;
+  const int64_t L = c.tgt_len;
+  const int64_t S = c.src_len;
+  const auto dtype = c.dtype;
+  torch::manual_seed(seed);
+
+  CaseResult result;
+  result.name = c.name;
+  result.tolerance = tolerance_for(dtype);
+  result.compared = "out+grads";
+
+  auto options = TransformerOptions(E, H, 2, 2)
+                     .dim_feedforward(c.dim_feedforward)
+                     .dropout(0.0)
+                     .layer_norm_eps(c.layer_norm_eps)
+                     .batch_first(c.batch_first)
+                     .norm_first(c.norm_first)
+                     .bias(c.bias);
+  if (c.gelu) {
+    options.activation(torch::kGELU);
+  }
+  Transformer ours(options);
+  spread_parameters(*ours);
+  ours->to(device, dtype);
+  ours->eval();
+  auto pristine = std::dynamic_pointer_cast<TransformerImpl>(ours->clone());
+  if (c.tamper) {
+    torch::NoGradGuard no_grad;
+    auto& decoder = *ours->decoder.ptr()->as<TransformerDecoderImpl>();
+    c.tamper(
+        *decoder.layers->ptr<TransformerDecoderLayerImpl>(1)->multihead_attn);
+  }
+
+  auto on = torch::TensorOptions().dtype(dtype).device(device);
+  Inputs in;
+  in.query = torch::randn({N, L, E}, on);           // tgt
+  in.key = in.value = torch::randn({N, S, E}, on);  // src
+  make_masks(c, N, H, L, S, dtype, device, in);     // src's and memory's
+  Inputs cross = in;
+  cross.is_causal = false;  // is_causal is the target's
+  const bool fully_masked = has_fully_masked_row(c, cross, N, H, L, S);
+  auto g_out = torch::randn({N, L, E}, on);
+
+  // --- mha ---
+  auto x = leaf(in.query, dtype);
+  auto src = leaf(in.key, dtype);
+  const auto& kpm = in.key_padding_mask;
+  auto out = from_case_layout(
+      c, ours->forward(to_case_layout(c, src), to_case_layout(c, x), {}, {},
+                       in.attn_mask, kpm, {}, kpm, false, c.is_causal));
+  (out * g_out).sum().backward();
+
+  // --- float64 reference ---
+  std::map<std::string, torch::Tensor> params64;
+  for (const auto& p : pristine->named_parameters()) {
+    params64[p.key()] = leaf(p.value(), torch::kFloat64);
+  }
+  Inputs in64 = in;
+  in64.query = leaf(in.query, torch::kFloat64);
+  in64.key = in64.value = leaf(in.key, torch::kFloat64);
+  auto out64 = reference_transformer(options, c.gelu, params64, in64);
+  (out64 * g_out.to(torch::kFloat64)).sum().backward();
+
+  Parts mine_parts = {
+      {"output", out}, {"grad tgt", x.grad()}, {"grad src", src.grad()}};
+  Parts f64_parts = {{"output", out64},
+                     {"grad tgt", in64.query.grad()},
+                     {"grad src", in64.key.grad()}};
+  for (const auto& p : ours->named_parameters()) {
+    mine_parts.push_back({"grad " + p.key(), p.value().grad()});
+    f64_parts.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
+  }
+
+  // --- torch::nn::Transformer, where it has the options ---
+  const std::string lacks = torch_nn_lacks(c);
+  Parts nn_parts;
+  std::string nn_threw, ref_diff;
+  if (lacks.empty()) {
+    ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
+    nn_parts = run_reference(
+        [&] {
+          return run_torch_nn_transformer(c, pristine, in, g_out, result.note);
+        },
+        nn_threw, result);
+  }
+  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
+  if (!lacks.empty()) {
+    result.note = "float64 only: torch::nn's Transformer has no " + lacks;
   }
   return result;
 }
