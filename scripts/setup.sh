@@ -12,6 +12,8 @@ packages=(
   nlohmann-json3-dev    # JSON (safetensors headers, mha-parity --json)
   python3-torch         # Python PyTorch: the state-dict round-trip test
   libgloo-dev           # Gloo headers: c10d data-parallel training (mha-train --nproc)
+  pkg-config            # the consumer test built with `pkg-config --cflags --libs mha`
+  dpkg-dev              # dpkg-shlibdeps for `cpack -G DEB`
   cmake g++ make ninja-build
 )
 

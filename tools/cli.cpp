@@ -22,11 +22,14 @@ const std::map<std::string, torch::ScalarType> kDtypes = {
 std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv,
                                       const std::string& tool,
                                       UsageStyle style) {
+  app.set_version_flag("--version",
+                       fmt::format("{} {} (LibTorch {})", tool, mha::version(),
+                                   mha::torch_version()));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) {
-      return app.exit(e);  // --help
+      return app.exit(e);  // --help, --version
     }
     // Every usage error exits 2 (CLI11's own codes vary).
     switch (style) {

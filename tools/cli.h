@@ -19,8 +19,9 @@ enum class UsageStyle {
   kOneLineSeeHelp,  ///< "<tool>: <what> (see --help)"
 };
 
-/// Parses argv into `app`. Returns nullopt when the tool goes on, 0 after
-/// printing --help, 2 after reporting a usage error in `style`.
+/// Adds --version ("<tool> <mha version> (LibTorch <version>)") and parses
+/// argv into `app`. Returns nullopt when the tool goes on, 0 after printing
+/// --help or --version, 2 after reporting a usage error in `style`.
 std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv,
                                       const std::string& tool,
                                       UsageStyle style);

@@ -1,6 +1,8 @@
 # Configures, builds and runs a consumer project. With MHA_BINARY_DIR, first
-# installs that mha build into a scratch prefix for find_package(mha); with
-# MHA_SOURCE_DIR, the consumer builds mha itself with add_subdirectory.
+# installs that mha build into a scratch prefix for find_package(mha), and
+# also compiles the consumer's main.cpp with nothing but the flags of
+# `pkg-config --cflags --libs mha`; with MHA_SOURCE_DIR, the consumer builds
+# mha itself with add_subdirectory.
 # Variables: MHA_BINARY_DIR or MHA_SOURCE_DIR, CONSUMER_SOURCE_DIR, WORK_DIR,
 # GENERATOR, TORCH_DIR (LibTorch's CMake folder), CXX (the compiler).
 file(REMOVE_RECURSE ${WORK_DIR})
@@ -23,6 +25,24 @@ run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
 if(MHA_BINARY_DIR)
   run(${WORK_DIR}/build/consumer_train)
+  # The installed mha.pc, found through PKG_CONFIG_PATH.
+  file(GLOB_RECURSE pc_files ${WORK_DIR}/prefix/*/mha.pc)
+  list(LENGTH pc_files pc_count)
+  if(NOT pc_count EQUAL 1)
+    message(FATAL_ERROR "expected one installed mha.pc, found: ${pc_files}")
+  endif()
+  get_filename_component(pc_dir ${pc_files} DIRECTORY)
+  set(ENV{PKG_CONFIG_PATH} ${pc_dir})
+  execute_process(COMMAND pkg-config --cflags --libs mha
+                  OUTPUT_VARIABLE pc_flags OUTPUT_STRIP_TRAILING_WHITESPACE
+                  RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "pkg-config --cflags --libs mha failed (${rc})")
+  endif()
+  separate_arguments(pc_flags UNIX_COMMAND "${pc_flags}")
+  run(${CXX} -std=c++17 -O1 ${CONSUMER_SOURCE_DIR}/main.cpp ${pc_flags}
+      -o ${WORK_DIR}/consumer_pkg_config)
+  run(${WORK_DIR}/consumer_pkg_config)
 else()
   # add_subdirectory(mha) builds what the consumer links (mha::mha) and
   # nothing of training or parity.
