@@ -64,30 +64,40 @@ AttentionResult explicit_attention(const torch::Tensor& query,
   const auto dtype = query.scalar_type();
   // broadcastable to (..., L, S)
   auto mask = with_positions(mask_in, positions, query, key);
+  torch::Tensor blocked;       // broadcastable to (..., L, S): mask == -inf
+  torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
+  if (mask.defined()) {
+    blocked = mask.eq(kNegInf);
+    auto rows = blocked.all(/*dim=*/-1, /*keepdim=*/true);
+    // On CPU, asking whether any row is fully masked is cheap and saves
+    // passes over the scores; on an accelerator it would stall the stream.
+    if (!query.device().is_cpu() || rows.any().item<bool>()) {
+      blocked_rows = rows;
+    }
+  }
+  // A fully masked row's query takes no part: its gradient is 0 and a
+  // non-finite value there reaches no other gradient (such as dK). Which
+  // rows these are follows from the mask alone, never from the data.
+  auto q = blocked_rows.defined() ? query.masked_fill(blocked_rows, 0.0)
+                                  : query;  // (..., L, E)
   // (..., L, E)·(..., E, S) → (..., L, S); scaling the smaller operand.
-  auto scores = torch::matmul(query * scale, key.transpose(-2, -1));
+  auto scores = torch::matmul(q * scale, key.transpose(-2, -1));
   if (positions.relative_bias.defined()) {
     // (Hb, L, S): the heads' dim of 4-D scores, else Hb = 1 broadcasts.
     auto bias = dense_relative_bias(positions.relative_bias, query.size(-2),
                                     key.size(-2));
     scores = scores + (query.dim() == 4 ? bias : bias.squeeze(0));
   }
-  torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
   if (mask.defined()) {
-    auto blocked = mask.eq(kNegInf);  // broadcastable to (..., L, S)
     // Adding -inf to a score that overflowed to +inf would give NaN: blocked
     // positions are set to -inf, not added to.
     scores.add_(mask).masked_fill_(blocked, kNegInf);  // (..., L, S)
-    auto rows = blocked.all(/*dim=*/-1, /*keepdim=*/true);
-    // On CPU, asking whether any row is fully masked is cheap and saves two
-    // passes over the scores; on an accelerator it would stall the stream.
-    if (!query.device().is_cpu() || rows.any().item<bool>()) {
-      // A fully masked row would be softmax(-inf, ..., -inf) = NaN. Give it
-      // finite scores, then zero its weights: the output row is 0 and no
-      // gradient flows into it.
-      blocked_rows = rows;
-      scores.masked_fill_(blocked_rows, 0.0);
-    }
+  }
+  if (blocked_rows.defined()) {
+    // A fully masked row would be softmax(-inf, ..., -inf) = NaN. Give it
+    // finite scores, then zero its weights: the output row is 0 and no
+    // gradient flows into it.
+    scores.masked_fill_(blocked_rows, 0.0);
   }
   const bool half = dtype == torch::kHalf || dtype == torch::kBFloat16;
   auto weights = half ? torch::softmax(scores, /*dim=*/-1, torch::kFloat)
@@ -100,6 +110,10 @@ AttentionResult explicit_attention(const torch::Tensor& query,
     weights = torch::dropout(weights, dropout_p, /*train=*/true);
   }
   auto output = torch::matmul(weights, value);  // (..., L, S)·(..., S, Ev)
+  if (blocked_rows.defined()) {
+    // 0 · (a non-finite value) would be NaN: a fully masked row is 0.
+    output = output.masked_fill(blocked_rows, 0.0);  // (..., L, Ev)
+  }
   return {output, shape_weights(weights, weights_mode)};
 }
 

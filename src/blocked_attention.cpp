@@ -23,8 +23,11 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 /// What every block of one call shares.
 struct BlockedSpec {
-  torch::Tensor mask;      // additive, 4-D broadcastable to (N, H, L, S), or {}
-  torch::Tensor blocked;   // mask == -inf, same shape, or {}
+  torch::Tensor mask;     // additive, 4-D broadcastable to (N, H, L, S), or {}
+  torch::Tensor blocked;  // mask == -inf, same shape, or {}
+  // (Nb, Hb, L) bool, true at the fully masked query rows (fully_masked_rows),
+  // or {} when there is none.
+  torch::Tensor empty;
   KeyPositions positions;  // its relative_bias travels as an input instead
   double scale = 1.0;
   WeightsMode weights = WeightsMode::kNone;
@@ -36,6 +39,83 @@ struct BlockedSpec {
 /// The (n, h) slice of a tensor broadcastable to (N, H, ...).
 torch::Tensor select_nh(const torch::Tensor& t, int64_t n, int64_t h) {
   return t.select(0, t.size(0) == 1 ? 0 : n).select(0, t.size(1) == 1 ? 0 : h);
+}
+
+/// Zeroes the rows r of t (rows, cols) whose flag empty[r] is set; empty is
+/// null when no row is fully masked. Touches only those rows.
+void zero_rows(torch::Tensor& t, const bool* empty) {
+  if (empty == nullptr) {
+    return;
+  }
+  for (int64_t r = 0; r < t.size(0); ++r) {
+    if (empty[r]) {
+      t[r].zero_();
+    }
+  }
+}
+
+/// The fully masked flags of rows [row0, ...) of head (n, h), or null.
+const bool* empty_flags(const BlockedSpec& spec, int64_t n, int64_t h,
+                        int64_t row0) {
+  return spec.empty.defined()
+             ? select_nh(spec.empty, n, h).data_ptr<bool>() + row0
+             : nullptr;
+}
+
+/// (Nb, Hb, L) bool, true where query row i sees no key: every key of its
+/// visible range [begin(i), end(i)) (positions' causal and window limits)
+/// is blocked by `blocked` (mask == -inf, 4-D broadcastable to
+/// (N, H, L, S), or undefined), or the range is empty. Decided from the
+/// mask and the positions only, never from the scores, so that a row made
+/// non-finite by its data stays non-finite. One pass over the mask (no
+/// limits: all(); limits: a running count of allowed keys). Undefined when
+/// no row is fully masked.
+torch::Tensor fully_masked_rows(const torch::Tensor& blocked,
+                                const KeyPositions& positions, int64_t L,
+                                int64_t S) {
+  const bool limited = positions.causal || positions.window > 0;
+  if (!limited && !blocked.defined()) {
+    return torch::Tensor();
+  }
+  torch::Tensor empty;
+  if (!limited) {
+    empty = blocked.all(/*dim=*/-1);  // (Nb, Hb, Lb)
+  } else {
+    auto begin = at::empty({L}, at::kLong), end = at::empty({L}, at::kLong);
+    auto* b = begin.data_ptr<int64_t>();
+    auto* e = end.data_ptr<int64_t>();
+    for (int64_t i = 0; i < L; ++i) {
+      b[i] = std::clamp<int64_t>(positions.begin(i), 0, S);
+      e[i] = std::clamp<int64_t>(positions.end(i), b[i], S);
+    }
+    if (!blocked.defined()) {
+      empty = end.eq(begin).view({1, 1, L});
+    } else {
+      // allowed[..., j] = keys < j not blocked: (Nb, Hb, Lb, S + 1)
+      auto keys = blocked.expand({blocked.size(0), blocked.size(1),
+                                  blocked.size(2), S});  // (Nb, Hb, Lb, S)
+      auto allowed = at::constant_pad_nd(
+          keys.logical_not().cumsum(/*dim=*/-1, at::kInt), {1, 0});
+      const auto Nb = allowed.size(0), Hb = allowed.size(1);
+      torch::Tensor count;  // (Nb, Hb, L)
+      if (allowed.size(2) == 1) {
+        count =
+            (allowed.index_select(-1, end) - allowed.index_select(-1, begin))
+                .squeeze(2);
+      } else {
+        auto at_rows = [&](const torch::Tensor& index) {
+          return allowed.gather(
+              -1, index.view({1, 1, L, 1}).expand({Nb, Hb, L, 1}));
+        };
+        count = (at_rows(end) - at_rows(begin)).squeeze(-1);
+      }
+      empty = count.eq(0);
+    }
+  }
+  if (!empty.any().item<bool>()) {
+    return torch::Tensor();
+  }
+  return empty.expand({empty.size(0), empty.size(1), L}).contiguous();
 }
 
 /// Rows [row0, row0 + rows) and columns [col0, col0 + cols) of a mask slice
@@ -81,12 +161,13 @@ struct Block {
 
 /// Writes into `p` (rows, cols) the attention weights of one block of one
 /// head (bias_h: that head's relative_bias row, or undefined): scaled
-/// scores, mask, position bias and limits, softmax, all in place; fully
-/// masked rows become 0.
+/// scores, mask, position bias and limits, softmax, all in place; the fully
+/// masked rows (flags `empty`, or null for none) become 0.
 void block_weights(torch::Tensor& p, const torch::Tensor& q,
                    const torch::Tensor& k, const torch::Tensor& mask,
                    const torch::Tensor& blocked, const torch::Tensor& bias_h,
-                   const BlockedSpec& spec, const Block& block) {
+                   const BlockedSpec& spec, const Block& block,
+                   const bool* empty) {
   // p = scale · q[rows] · k[cols]ᵀ (beta = 0: p's old contents are ignored)
   at::addmm_out(p, p, q.narrow(0, block.row0, block.rows),
                 k.narrow(0, block.col0, block.cols).t(),
@@ -104,6 +185,7 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
                        bias_h.defined()
                            ? bias_h.data_ptr<float>() + block.bias_base()
                            : nullptr);
+    zero_rows(p, empty);
     return;
   }
   if (bias_h.defined()) {
@@ -121,14 +203,9 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
     p.masked_fill_(c.lt(begin).logical_or_(c.ge(end)), kNegInf);
   }
   at::_softmax_out(p, p, /*dim=*/1, /*half_to_float=*/false);
-  if (mask.defined() || limited) {
-    // A fully masked row is softmax(-inf, ..., -inf) = NaN (and only such a
-    // row, for finite inputs): it attends to nothing.
-    auto empty_rows = p.select(1, 0).isnan();  // (rows)
-    if (empty_rows.any().item<bool>()) {
-      p.masked_fill_(empty_rows.unsqueeze(1), 0.0);
-    }
-  }
+  // A fully masked row is softmax(-inf, ..., -inf) = NaN: it attends to
+  // nothing. Rows made NaN by their data are left as they are.
+  zero_rows(p, empty);
 }
 
 /// What blocked_forward returns.
@@ -189,6 +266,7 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
         for (auto h = h_begin; h < h_end; ++h) {
           // (rows, Dv), strided rows of the (N, L, H, Dv) buffer
           auto out_rows = out.select(0, n).select(1, h).narrow(0, row0, rows);
+          const bool* empty = empty_flags(spec, n, h, row0);
           if (cols == 0) {  // no row of the block sees any key
             out_rows.zero_();
             continue;
@@ -202,8 +280,10 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                                    ? select_nh(spec.blocked, n, h)
                                    : torch::Tensor();
           block_weights(p, q_nh, k_nh, mask, blocked,
-                        bias_row(relative_bias, h), spec, block);
+                        bias_row(relative_bias, h), spec, block, empty);
           at::mm_out(out_rows, p, v_nh.narrow(0, col0, cols));
+          // 0 · (a non-finite value) would be NaN: a fully masked row is 0.
+          zero_rows(out_rows, empty);
           if (spec.keep_weights) {
             kept[n][h].narrow(0, row0, rows).narrow(1, col0, cols).copy_(p);
           }
@@ -282,12 +362,14 @@ BlockedGradients blocked_backward(
                   .view({rows, cols});
             };
             auto p = buffer(0), dp = buffer(1), ds = buffer(2);
+            const bool* empty = empty_flags(spec, n, h, row0);
             if (kept.defined()) {
               // Copied: a block's rows are strided in `kept`, and ATen's
               // softmax backward below takes contiguous weights.
               p.copy_(kept[n][h].narrow(0, row0, rows).narrow(1, col0, cols));
             } else {
-              block_weights(p, q_nh, k_nh, mask, blocked, bias_h, spec, block);
+              block_weights(p, q_nh, k_nh, mask, blocked, bias_h, spec, block,
+                            empty);
             }
             const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
             auto dv_cols = dv_nh.narrow(0, col0, cols);
@@ -306,6 +388,9 @@ BlockedGradients blocked_backward(
             }
             at::_softmax_backward_data_out(ds, dp, p, /*dim=*/1,
                                            q.scalar_type());
+            // No gradient flows through a fully masked row, even where dp
+            // is non-finite (0 · NaN).
+            zero_rows(ds, empty);
             if (d_bias.defined()) {
               d_bias[n][h].index_add_(0, block.bias_index().view(-1),
                                       ds.view(-1));
@@ -377,6 +462,7 @@ class BlockedAttentionFunction
     };
     data["mask"] = tensor_or_none(spec.mask);
     data["blocked"] = tensor_or_none(spec.blocked);
+    data["empty"] = tensor_or_none(spec.empty);
     data["causal"] = spec.positions.causal;
     data["diagonal"] = spec.positions.diagonal;
     data["window"] = spec.positions.window;
@@ -395,6 +481,7 @@ class BlockedAttentionFunction
     BlockedSpec spec;
     spec.mask = tensor_of("mask");
     spec.blocked = tensor_of("blocked");
+    spec.empty = tensor_of("empty");
     spec.positions.causal = data.at("causal").toBool();
     spec.positions.diagonal = data.at("diagonal").toInt();
     spec.positions.window = data.at("window").toInt();
@@ -496,6 +583,7 @@ AttentionResult blocked_attention(const torch::Tensor& query,
   }
   spec.positions = positions;
   spec.positions.relative_bias = torch::Tensor();  // an input, see below
+  spec.empty = fully_masked_rows(spec.blocked, positions, L, S);
   spec.scale = scale;
   spec.weights = weights;
   spec.block_rows = block_rows > 0 ? std::min(block_rows, L)
@@ -523,8 +611,14 @@ AttentionResult blocked_attention(const torch::Tensor& query,
   }
   // LibTorch 1.13's custom functions take no undefined inputs: no bias is
   // an empty placeholder there.
+  auto q = to_4d(query);
+  if (spec.empty.defined()) {
+    // A fully masked row's query takes no part: its gradient is 0 and a
+    // non-finite value there reaches no other gradient (such as dK).
+    q = q.masked_fill(spec.empty.unsqueeze(-1), 0.0);  // (N, H, L, D)
+  }
   auto outputs = BlockedAttentionFunction::apply(
-      to_4d(query), to_4d(key), to_4d(value),
+      q, to_4d(key), to_4d(value),
       bias.defined() ? bias.contiguous() : at::empty({0}, query.options()),
       spec);
   auto output = outputs[0];

@@ -2,7 +2,7 @@
 // CPUs with AVX2 and FMA, fusing what the blocked attention path otherwise
 // runs as separate ATen passes: the limits of the visible keys (a causal
 // diagonal, a sliding window), a relative position bias, the softmax, and
-// the zero rows of fully masked queries. Not installed.
+// the zero rows of queries whose visible range is empty. Not installed.
 //
 // Why: in the blocked path the causal triangle took a masked_fill, the
 // softmax a LibTorch kernel call, and fully masked rows an isnan scan, each
@@ -43,7 +43,9 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
   const __m256 lowest = _mm256_set1_ps(-87.33654f);
   const __m256 highest = _mm256_set1_ps(88.72283f);
   const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lowest), highest);
+  // max/min return their second operand when either is NaN: x second, so
+  // that a NaN stays NaN (and the whole row with it, as torch.softmax).
+  x = _mm256_min_ps(highest, _mm256_max_ps(lowest, x));
   const __m256 n = _mm256_round_ps(
       _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),  // x / ln2
       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -79,8 +81,10 @@ __attribute__((target("avx2,fma"))) inline float reduce_sum_avx2(__m256 v) {
 }
 
 /// Row x[0, cols): x[begin, end) plus bias[begin, end) (when bias is not
-/// null) becomes its softmax, the rest zeros; a row whose visible entries
-/// are all -inf (fully masked) or empty becomes zeros.
+/// null) becomes its softmax, the rest zeros; an empty range gives zeros.
+/// Non-finite entries give what torch.softmax gives: a NaN or +inf entry, or
+/// a range of -inf only, makes the row NaN (the caller zeroes the rows that
+/// its mask blocks entirely, decided from the mask, not from these values).
 __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
     float* x, const float* bias, int64_t begin, int64_t end, int64_t cols) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -113,10 +117,8 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
   for (; i < n; ++i) {
     max = std::max(max, row[i]);
   }
-  if (max == kNegInf) {
-    std::fill(row, row + n, 0.0f);  // attends to nothing
-    return;
-  }
+  // A NaN entry may be missing from max; it turns into NaN below all the
+  // same (NaN - max), and so do +inf (inf - inf) and max = -inf.
   const __m256 shift = _mm256_set1_ps(max);
   __m256 vsum = _mm256_setzero_ps();
   for (i = 0; i + 8 <= n; i += 8) {
@@ -172,7 +174,8 @@ struct RowLimits {
 
 /// In place on p (rows, cols), contiguous float32 scores: row r becomes the
 /// softmax of entries [limits.begin(r), limits.end(r)) with zeros around
-/// them; a row with nothing visible but -inf becomes zeros. When `bias` is
+/// them (all zeros when that range is empty; NaN, as torch.softmax, when
+/// the range holds only -inf). When `bias` is
 /// not null, row r first adds bias[c - r] at column c (a bias constant along
 /// diagonals, such as a relative position bias; bias[-(rows - 1)] to
 /// bias[cols - 1] must be readable). Rows run in parallel. Call only when

@@ -9,6 +9,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "atomic_file.h"
 #include "svg.h"
 
 namespace mha::plot {

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "atomic_file.h"
 #include "tensor_file.h"
 
 namespace mha::detail {
@@ -251,21 +252,23 @@ void write_safetensors(const TensorEntries& entries, const std::string& file,
   // as the reference writer does).
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(out.is_open(), where, ": cannot open '", file, "' for writing");
   unsigned char length_bytes[8];
   for (int i = 0; i < 8; ++i) {
     length_bytes[i] = static_cast<unsigned char>(
         (static_cast<uint64_t>(text.size()) >> (8 * i)) & 0xff);
   }
-  out.write(reinterpret_cast<const char*>(length_bytes), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& entry : entries) {
-    out.write(static_cast<const char*>(entry.second.data_ptr()),
-              static_cast<std::streamsize>(entry.second.nbytes()));
-  }
-  out.close();
-  TORCH_CHECK(!out.fail(), where, ": writing '", file, "' failed");
+  // Atomically: a crash leaves the old file or the complete new one.
+  write_file_atomically(
+      file,
+      [&](std::ostream& out) {
+        out.write(reinterpret_cast<const char*>(length_bytes), 8);
+        out.write(text.data(), static_cast<std::streamsize>(text.size()));
+        for (const auto& entry : entries) {
+          out.write(static_cast<const char*>(entry.second.data_ptr()),
+                    static_cast<std::streamsize>(entry.second.nbytes()));
+        }
+      },
+      where.c_str());
 }
 
 }  // namespace mha::detail

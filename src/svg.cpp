@@ -1,15 +1,12 @@
-// The SVG writer and the text-file writer of src/svg.h, shared by the
-// attention heatmap (src/plot.cpp) and the loss curve
-// (src/train/report.cpp).
+// The SVG writer of src/svg.h, shared by the attention heatmap
+// (src/plot.cpp) and the loss curve (src/train/report.cpp).
 #include "svg.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 
 namespace mha::detail {
 
@@ -118,17 +115,6 @@ void SvgWriter::raw(const std::string& markup) { out_ << markup; }
 std::string SvgWriter::finish() {
   close("svg");
   return out_.str();
-}
-
-void write_text_file(const std::string& path, const std::string& text,
-                     const char* what) {
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(file.good(), what, ": cannot write the file: cannot open '", path,
-              "' for writing: ", std::strerror(errno));
-  file << text;
-  file.close();
-  TORCH_CHECK(!file.fail(), what, ": cannot write the file: writing '", path,
-              "' failed: ", std::strerror(errno));
 }
 
 }  // namespace mha::detail

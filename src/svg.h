@@ -1,6 +1,6 @@
 // Internal: the one SVG vocabulary of the library's pictures (the attention
-// heatmap of mha/plot.h, the loss curve of mha-train) and the one function
-// that writes a text file. XML escaping lives here too.
+// heatmap of mha/plot.h, the loss curve of mha-train). XML escaping lives
+// here too; files are written by atomic_file.h.
 #pragma once
 
 #include <initializer_list>
@@ -66,11 +66,5 @@ class SvgWriter {
   void start_tag(const char* tag, SvgAttributes attributes);
   std::ostringstream out_;
 };
-
-/// Writes `text` to the file at `path` (created or truncated; bytes as
-/// given). Throws c10::Error, starting with `what` and naming the path and
-/// the system's reason, if the file cannot be opened or written.
-void write_text_file(const std::string& path, const std::string& text,
-                     const char* what);
 
 }  // namespace mha::detail

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <utility>
 
+#include "atomic_file.h"
 #include "tensor_file.h"
 
 namespace mha::detail {
@@ -70,25 +71,28 @@ std::tuple<at::DataPtr, size_t> ZipArchiveReader::record(
 void write_zip_archive(const std::string& file, const std::string& where,
                        const std::string& pickle,
                        const TensorEntries& entries) {
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(out.is_open(), where, ": cannot open '", file, "' for writing");
-  with_context(where, "writing the zip archive", [&] {
-    caffe2::serialize::PyTorchStreamWriter writer(
-        [&out](const void* data, size_t n) -> size_t {
-          out.write(static_cast<const char*>(data),
-                    static_cast<std::streamsize>(n));
-          return out.good() ? n : 0;
+  // Atomically: a crash leaves the old file or the complete new one.
+  write_file_atomically(
+      file,
+      [&](std::ostream& out) {
+        with_context(where, "writing the zip archive", [&] {
+          caffe2::serialize::PyTorchStreamWriter writer(
+              [&out](const void* data, size_t n) -> size_t {
+                out.write(static_cast<const char*>(data),
+                          static_cast<std::streamsize>(n));
+                return out.good() ? n : 0;
+              });
+          writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+          writer.writeRecord("byteorder", "little", 6);
+          for (size_t i = 0; i < entries.size(); ++i) {
+            const torch::Tensor& t = entries[i].second;
+            writer.writeRecord("data/" + std::to_string(i), t.data_ptr(),
+                               t.nbytes());
+          }
+          writer.writeEndOfFile();
         });
-    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
-    writer.writeRecord("byteorder", "little", 6);
-    for (size_t i = 0; i < entries.size(); ++i) {
-      const torch::Tensor& t = entries[i].second;
-      writer.writeRecord("data/" + std::to_string(i), t.data_ptr(), t.nbytes());
-    }
-    writer.writeEndOfFile();
-  });
-  out.close();
-  TORCH_CHECK(!out.fail(), where, ": writing '", file, "' failed");
+      },
+      where.c_str());
 }
 
 }  // namespace mha::detail

@@ -1236,32 +1236,37 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
         if (cols > 2) {
           scores[3][1] = -kInf;  // one blocked key
         }
-        scores[4].fill_(-kInf);  // fully masked: zeros
+        // All -inf: NaN, as torch.softmax, where row 4 sees a column (the
+        // blocked core zeroes fully masked rows from its mask, not here).
+        scores[4].fill_(-kInf);
         // bias[c - r] for row r, column c: a vector of rows + cols - 1
         auto bias = torch::randn({rows + cols - 1}) * 3.0;
         // Reference: written entry by entry (the bias added in float32, as
         // the kernel does: on row 1's 1e4 its rounding is not the kernel's
-        // error), float64 softmax, 0 for a row with nothing visible.
+        // error), float64 softmax, 0 outside a row's visible columns.
         auto reference = scores.clone();
+        auto outside = torch::zeros({rows, cols}, torch::kBool);
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t c = 0; c < cols; ++c) {
             const int64_t begin = limits.begin0 + (limits.begin_slides ? r : 0);
             const int64_t end = limits.end0 + (limits.end_slides ? r : 0);
             if (c < begin || c >= end) {
               reference[r][c] = -kInf;
+              outside[r][c] = true;
             } else if (with_bias) {
               reference[r][c] += bias[rows - 1 + c - r];
             }
           }
         }
-        reference =
-            torch::softmax(reference.to(torch::kFloat64), 1).nan_to_num(0.0);
+        reference = torch::softmax(reference.to(torch::kFloat64), 1)
+                        .masked_fill(outside, 0.0);
         auto fused = scores.clone();
         mha::detail::fused_softmax_rows(
             fused, limits,
             with_bias ? bias.data_ptr<float>() + (rows - 1) : nullptr);
         EXPECT_TRUE(torch::allclose(fused.to(torch::kFloat64), reference,
-                                    /*rtol=*/1e-5, /*atol=*/1e-7))
+                                    /*rtol=*/1e-5, /*atol=*/1e-7,
+                                    /*equal_nan=*/true))
             << "cols " << cols << ", limits " << limits.begin0 << "/"
             << limits.begin_slides << ", " << limits.end0 << "/"
             << limits.end_slides << ", bias " << with_bias
@@ -1270,7 +1275,10 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
                    .abs()
                    .max()
                    .item<double>();
-        EXPECT_TRUE(torch::equal(fused[4], torch::zeros({cols})));
+        // Row 4: NaN on its visible columns, 0 around them.
+        EXPECT_TRUE(torch::equal(fused[4].isnan(), outside[4].logical_not()));
+        EXPECT_EQ(fused[4].masked_select(outside[4]).abs().sum().item<float>(),
+                  0.0f);
       }
     }
   }

@@ -312,6 +312,9 @@ std::string check_inputs(const Args& a, Config& c) {
     }
   }
   const train::RunFiles files(c.options.out_dir());
+  if (a.resume && c.rank == 0) {
+    train::recover_checkpoint(files);  // finish a swap a crash interrupted
+  }
   if (a.resume && c.rank == 0 && !std::filesystem::exists(files.trainer)) {
     return fmt::format(
         "--resume: no checkpoint in '{}' (run without --resume first)",

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "atomic_file.h"
 #include "common.h"
 #include "mha/state_dict.h"
 
@@ -117,6 +118,25 @@ std::string fingerprint_difference(const std::string& a, const std::string& b) {
 
 }  // namespace
 
+bool recover_checkpoint(const RunFiles& files) {
+  const fs::path final_dir(files.checkpoint_dir);
+  const fs::path previous = final_dir.string() + ".old";
+  try {
+    if (fs::exists(final_dir) || !fs::exists(previous / "trainer.pt") ||
+        !fs::exists(previous / "model.safetensors")) {
+      return false;
+    }
+    fs::rename(previous, final_dir);
+  } catch (const fs::filesystem_error& e) {
+    TORCH_CHECK(false, "recover_checkpoint: cannot restore '",
+                previous.string(), "' as '", files.checkpoint_dir,
+                "': ", e.what());
+  }
+  mha::detail::sync_path(final_dir.parent_path().string(),
+                         "recover_checkpoint");
+  return true;
+}
+
 void save_checkpoint(const RunFiles& files, const torch::nn::Module& model,
                      torch::optim::Optimizer& optimizer,
                      const std::vector<LossRecord>& history,
@@ -124,6 +144,10 @@ void save_checkpoint(const RunFiles& files, const torch::nn::Module& model,
   const fs::path final_dir(files.checkpoint_dir);
   const fs::path temporary = final_dir.string() + ".tmp";
   const fs::path previous = final_dir.string() + ".old";
+  // A crash at any point below leaves a complete checkpoint in final_dir,
+  // or (between the two renames) in previous, which recover_checkpoint
+  // moves back; first, finish such an interrupted swap.
+  recover_checkpoint(files);
   try {
     fs::remove_all(temporary);
     fs::create_directories(temporary);
@@ -146,6 +170,10 @@ void save_checkpoint(const RunFiles& files, const torch::nn::Module& model,
     optimizer.save(optimizer_archive);
     archive.write("optimizer", optimizer_archive);
     archive.save_to((temporary / "trainer.pt").string());
+    // model.safetensors is synced by its writer (atomic_file.h).
+    mha::detail::sync_path((temporary / "trainer.pt").string(),
+                           "save_checkpoint");
+    mha::detail::sync_path(temporary.string(), "save_checkpoint");
 
     // Swap the complete new checkpoint in.
     fs::remove_all(previous);
@@ -153,6 +181,9 @@ void save_checkpoint(const RunFiles& files, const torch::nn::Module& model,
       fs::rename(final_dir, previous);
     }
     fs::rename(temporary, final_dir);
+    auto parent = final_dir.parent_path();
+    mha::detail::sync_path(parent.empty() ? "." : parent.string(),
+                           "save_checkpoint");
     fs::remove_all(previous);
   } catch (const fs::filesystem_error& e) {
     TORCH_CHECK(false, "save_checkpoint: cannot write '", files.checkpoint_dir,
@@ -164,6 +195,7 @@ std::vector<LossRecord> load_checkpoint(const RunFiles& files,
                                         torch::nn::Module& model,
                                         torch::optim::Optimizer& optimizer,
                                         const std::string& fingerprint) {
+  recover_checkpoint(files);
   TORCH_CHECK(fs::exists(files.trainer) && fs::exists(files.model),
               "no checkpoint to resume in '", files.checkpoint_dir,
               "' (it needs model.safetensors and trainer.pt)");

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <utility>
 
+#include "atomic_file.h"
 #include "common.h"
 #include "svg.h"
 

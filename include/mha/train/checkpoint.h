@@ -25,12 +25,21 @@ struct RunFiles {
 };
 
 /// Saves a checkpoint under `files.checkpoint_dir` (see RunFiles): written
-/// into a temporary directory, then renamed over the old one. `history` is
-/// every record so far; its last step is the checkpoint's step.
+/// into a temporary directory (every file fsync'ed), then swapped in by
+/// renames (the old one to checkpoint_dir + ".old", the new one in place,
+/// the old one removed), so that a process killed at any moment leaves a
+/// complete checkpoint (recover_checkpoint). `history` is every record so
+/// far; its last step is the checkpoint's step.
 void save_checkpoint(const RunFiles& files, const torch::nn::Module& model,
                      torch::optim::Optimizer& optimizer,
                      const std::vector<LossRecord>& history,
                      const std::string& fingerprint);
+
+/// Completes a checkpoint swap that a crash interrupted: when
+/// checkpoint_dir is missing and checkpoint_dir + ".old" holds a complete
+/// checkpoint, renames it back. Returns true when it did. load_checkpoint
+/// and save_checkpoint call it first.
+bool recover_checkpoint(const RunFiles& files);
 
 /// Restores a checkpoint written by save_checkpoint into `model` and
 /// `optimizer` (tensors go to the model's device), restores LibTorch's
