@@ -43,7 +43,7 @@ class StateDictUnpickler {
   StateDict run();
 
  private:
-  enum class Kind : uint8_t {
+  enum class Kind : uint8_t {  // kind_name() names them in this order
     kNone,
     kBool,
     kInt,
@@ -120,29 +120,10 @@ class StateDictUnpickler {
 };
 
 const char* StateDictUnpickler::kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::kNone:
-      return "None";
-    case Kind::kBool:
-      return "bool";
-    case Kind::kInt:
-      return "int";
-    case Kind::kString:
-      return "str";
-    case Kind::kTuple:
-      return "tuple";
-    case Kind::kList:
-      return "list";
-    case Kind::kDict:
-      return "dict";
-    case Kind::kGlobal:
-      return "global";
-    case Kind::kStorage:
-      return "storage";
-    case Kind::kTensor:
-      return "tensor";
-  }
-  return "?";
+  static const char* const kNames[] = {"None",    "bool",  "int",  "str",
+                                       "tuple",   "list",  "dict", "global",
+                                       "storage", "tensor"};
+  return kNames[static_cast<size_t>(kind)];
 }
 
 void StateDictUnpickler::fail(const std::string& message) const {
