@@ -12,6 +12,7 @@
 #include <cctype>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -38,7 +39,7 @@ class StateDictUnpickler {
         size_(size),
         where_(std::move(where)),
         load_storage_(std::move(load_storage)),
-        max_objects_(1024 + size / 2) {}
+        max_objects_(1024 + size / 3) {}
 
   StateDict run();
 
@@ -108,7 +109,7 @@ class StateDictUnpickler {
   size_t op_pos_ = 0;
   std::string where_;
   StorageLoader load_storage_;
-  std::vector<Object> objects_;
+  std::deque<Object> objects_;
   std::vector<size_t> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, size_t> memo_;
@@ -217,9 +218,10 @@ size_t StateDictUnpickler::push(Object object) {
   // Each opcode makes at most one object; the cap bounds the memory a hostile
   // pickle can claim by its size. A state dict's pickle spends 5 to 7 bytes
   // per object (about 15 objects per tensor); 1 byte per object is a flood.
+  // (objects_ is a deque: growing it never copies, nor doubles, the arena.)
   if (objects_.size() >= max_objects_) {
     fail("data.pkl builds more than " + std::to_string(max_objects_) +
-         " objects (1024 + 1 per 2 of its " + std::to_string(size_) +
+         " objects (1024 + 1 per 3 of its " + std::to_string(size_) +
          " bytes), far more than a state dict needs");
   }
   objects_.push_back(std::move(object));

@@ -156,7 +156,7 @@ TEST_F(HostileFileTest, ObjectFloodIsCappedByThePickleSize) {
   Pickle p;
   p.proto().raw(std::string(100000, 'N')).op('.');
   expect_refused(file("flood.pt", zip_bytes({{"data.pkl", p.bytes}})),
-                 "data.pkl builds more than 51025 objects (1024 + 1 per 2 of "
+                 "data.pkl builds more than 34358 objects (1024 + 1 per 3 of "
                  "its 100003 bytes)");
 }
 
