@@ -12,6 +12,7 @@
 #include <cctype>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -37,12 +38,13 @@ class StateDictUnpickler {
       : data_(reinterpret_cast<const unsigned char*>(data)),
         size_(size),
         where_(std::move(where)),
-        load_storage_(std::move(load_storage)) {}
+        load_storage_(std::move(load_storage)),
+        max_objects_(1024 + size / 3) {}
 
   StateDict run();
 
  private:
-  enum class Kind {
+  enum class Kind : uint8_t {  // kind_name() names them in this order
     kNone,
     kBool,
     kInt,
@@ -54,7 +56,7 @@ class StateDictUnpickler {
     kStorage,
     kTensor
   };
-  enum class Global {
+  enum class Global : uint8_t {
     kOrderedDict,
     kRebuildTensorV2,
     kRebuildParameter,
@@ -63,12 +65,12 @@ class StateDictUnpickler {
 
   struct Object {
     Kind kind = Kind::kNone;
-    int64_t integer = 0;        // kBool, kInt
-    std::string text;           // kString; kGlobal: "module.name"
-    std::vector<size_t> items;  // kTuple, kList; kDict: key, value, ...
     Global global = Global::kOrderedDict;  // kGlobal
-    const DtypeName* dtype = nullptr;      // kGlobal kStorageType, kStorage
-    torch::Tensor tensor;                  // kStorage (1-D), kTensor
+    int64_t integer = 0;                   // kBool, kInt
+    std::string text;                      // kString; kGlobal: "module.name"
+    std::vector<size_t> items;         // kTuple, kList; kDict: key, value, ...
+    const DtypeName* dtype = nullptr;  // kGlobal kStorageType, kStorage
+    torch::Tensor tensor;              // kStorage (1-D), kTensor
   };
 
   static const char* kind_name(Kind kind);
@@ -107,37 +109,22 @@ class StateDictUnpickler {
   size_t op_pos_ = 0;
   std::string where_;
   StorageLoader load_storage_;
-  std::vector<Object> objects_;
+  std::deque<Object> objects_;
   std::vector<size_t> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, size_t> memo_;
   std::unordered_map<std::string, size_t> storages_;  // by record key
+  // Bounds on memory, from data.pkl's size and the storages' bytes.
+  size_t max_objects_;
+  uint64_t storage_bytes_ = 0;  // of the storages loaded
+  uint64_t tensor_bytes_ = 0;   // of the tensors built from them
 };
 
 const char* StateDictUnpickler::kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::kNone:
-      return "None";
-    case Kind::kBool:
-      return "bool";
-    case Kind::kInt:
-      return "int";
-    case Kind::kString:
-      return "str";
-    case Kind::kTuple:
-      return "tuple";
-    case Kind::kList:
-      return "list";
-    case Kind::kDict:
-      return "dict";
-    case Kind::kGlobal:
-      return "global";
-    case Kind::kStorage:
-      return "storage";
-    case Kind::kTensor:
-      return "tensor";
-  }
-  return "?";
+  static const char* const kNames[] = {"None",    "bool",  "int",  "str",
+                                       "tuple",   "list",  "dict", "global",
+                                       "storage", "tensor"};
+  return kNames[static_cast<size_t>(kind)];
 }
 
 void StateDictUnpickler::fail(const std::string& message) const {
@@ -229,11 +216,13 @@ std::vector<size_t> StateDictUnpickler::pop_frame() {
 
 size_t StateDictUnpickler::push(Object object) {
   // Each opcode makes at most one object; the cap bounds the memory a hostile
-  // pickle can claim (a state dict needs about 15 objects per tensor).
-  constexpr size_t kMaxObjects = 4'000'000;
-  if (objects_.size() >= kMaxObjects) {
-    fail("data.pkl builds more than " + std::to_string(kMaxObjects) +
-         " objects, far more than a state dict needs");
+  // pickle can claim by its size. A state dict's pickle spends 5 to 7 bytes
+  // per object (about 15 objects per tensor); 1 byte per object is a flood.
+  // (objects_ is a deque: growing it never copies, nor doubles, the arena.)
+  if (objects_.size() >= max_objects_) {
+    fail("data.pkl builds more than " + std::to_string(max_objects_) +
+         " objects (1024 + 1 per 3 of its " + std::to_string(size_) +
+         " bytes), far more than a state dict needs");
   }
   objects_.push_back(std::move(object));
   stack_.push_back(objects_.size() - 1);
@@ -344,6 +333,7 @@ size_t StateDictUnpickler::persistent_load(size_t pid) {
   o.kind = Kind::kStorage;
   o.dtype = dtype;
   o.tensor = load_storage_(key, *dtype, numel);
+  storage_bytes_ += o.tensor.nbytes();  // read from the file: no overflow
   const size_t object = push(std::move(o));
   storages_[key] = object;
   return object;
@@ -406,6 +396,24 @@ size_t StateDictUnpickler::rebuild_tensor(const std::vector<size_t>& args) {
          std::to_string(offset) + " reaches past the end of its storage of " +
          std::to_string(storage_numel) + " " + storage.dtype->torch_name +
          " elements");
+  }
+  // Views share their storage, but each is copied out: the copies together
+  // may hold at most kMaxCopies times the storages' bytes (tied weights view
+  // one storage twice), so that a stride-0 view of a few bytes cannot ask for
+  // gigabytes.
+  constexpr uint64_t kMaxCopies = 4;
+  uint64_t bytes = 0;
+  if (!checked_mul(numel, element_size(*storage.dtype), &bytes) ||
+      !checked_add(tensor_bytes_, bytes, &tensor_bytes_) ||
+      tensor_bytes_ > kMaxCopies * storage_bytes_) {
+    fail("a tensor of size " + c10::str(c10::IntArrayRef(sizes)) + ", stride " +
+         c10::str(c10::IntArrayRef(strides)) + " (" + std::to_string(numel) +
+         " " + storage.dtype->torch_name +
+         " elements) would bring the "
+         "tensors built to more than " +
+         std::to_string(kMaxCopies) + " times the " +
+         std::to_string(storage_bytes_) +
+         " bytes of their storages (an expanded view of a small storage?)");
   }
   Object o;
   o.kind = Kind::kTensor;

@@ -110,6 +110,10 @@ SafetensorsEntry parse_safetensors_entry(const std::string& where,
   const auto& shape = info["shape"];
   TORCH_CHECK(shape.is_array(), what, ": shape must be an array, got ",
               shape.type_name());
+  // As the pickle reader: a tensor of a state dict has a few dimensions.
+  constexpr size_t kMaxDims = 64;
+  TORCH_CHECK(shape.size() <= kMaxDims, what, ": shape has ", shape.size(),
+              " dimensions (at most ", kMaxDims, " accepted)");
   for (const auto& dim : shape) {
     uint64_t d = 0;
     TORCH_CHECK(

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -18,11 +19,15 @@ class PyTorchStreamReader;
 namespace mha::detail {
 
 /// A PyTorch zip archive opened for reading. Every error, LibTorch's zip
-/// reader's included, is one c10::Error that starts with `where`.
+/// reader's included, is one c10::Error that starts with `where`. Memory is
+/// bounded by the file's size: a record that states more bytes than the
+/// archive holds is refused before anything is allocated, and all records
+/// read together stay under 4 times the archive's size.
 class ZipArchiveReader {
  public:
   /// Opens the archive `path` and checks what torch.save writes: the byte
-  /// order, if recorded, is little, and the record data.pkl exists.
+  /// order, if recorded, is little, and the record data.pkl exists. Checks
+  /// first every record's stated size against the file's size.
   ZipArchiveReader(const std::string& path, std::string where);
   /// Closes the archive.
   ~ZipArchiveReader();
@@ -31,11 +36,14 @@ class ZipArchiveReader {
 
   /// Whether the archive holds the record `name`.
   bool has_record(const std::string& name);
-  /// The bytes of the record `name` and their number.
+  /// The bytes of the record `name` and their number. Throws when the bytes
+  /// read so far would exceed the budget of 4 times the archive's size.
   std::tuple<at::DataPtr, size_t> record(const std::string& name);
 
  private:
   std::string where_;
+  uint64_t budget_ = 0;  // bytes all records may fill together
+  uint64_t read_ = 0;    // bytes read so far
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader_;
 };
 

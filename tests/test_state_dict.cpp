@@ -2,7 +2,6 @@
 // loaded into mha::MultiHeadAttention, C++ round trips in both formats,
 // strict and non-strict loading, hostile files, and a round trip through
 // Python when a python3 with torch is present.
-#include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -18,6 +17,7 @@
 
 #include "fixture_helpers.h"
 #include "mha/mha.h"
+#include "state_dict_files.h"
 #include "test_helpers.h"
 
 namespace {
@@ -427,83 +427,11 @@ TEST_F(StateDictTest, SaveErrorsNameTheFileAndTheTensor) {
 // --------------------------------------------------------------------------
 // Hostile files: every one a c10::Error naming the file, never a crash.
 
-/// Writes a PyTorch-style zip archive with the given records.
-void write_zip(
-    const std::string& path,
-    const std::vector<std::pair<std::string, std::string>>& records) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  caffe2::serialize::PyTorchStreamWriter writer([&out](const void* data,
-                                                       size_t n) -> size_t {
-    out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
-    return n;
-  });
-  for (const auto& record : records) {
-    writer.writeRecord(record.first, record.second.data(),
-                       record.second.size());
-  }
-  writer.writeEndOfFile();
-}
-
-/// Builds pickle bytes by hand (opcodes as Python's pickletools names them).
-struct Pickle {
-  std::string bytes;
-  Pickle& op(unsigned char c) {
-    bytes.push_back(static_cast<char>(c));
-    return *this;
-  }
-  Pickle& raw(const std::string& s) {
-    bytes += s;
-    return *this;
-  }
-  Pickle& proto(int version = 2) { return op(0x80).op(version); }
-  Pickle& mark() { return op('('); }
-  Pickle& global(const std::string& module, const std::string& name) {
-    return op('c').raw(module + "\n" + name + "\n");
-  }
-  Pickle& str(const std::string& s) {
-    op('X');
-    for (int i = 0; i < 4; ++i) {
-      op(static_cast<unsigned char>((s.size() >> (8 * i)) & 0xff));
-    }
-    return raw(s);
-  }
-  Pickle& int1(int v) { return op('K').op(static_cast<unsigned char>(v)); }
-  Pickle& ints(const std::vector<int>& values) {
-    mark();
-    for (const int v : values) {
-      int1(v);
-    }
-    return op('t');
-  }
-  Pickle& ordered_dict() {
-    return global("collections", "OrderedDict").op(')').op('R');
-  }
-  /// _rebuild_tensor_v2(('storage', torch.<type>, key, 'cpu', numel),
-  ///                    offset, sizes, strides, False, OrderedDict())
-  Pickle& tensor(const std::string& type, int numel, int offset,
-                 const std::vector<int>& sizes, const std::vector<int>& strides,
-                 const std::string& key = "0") {
-    global("torch._utils", "_rebuild_tensor_v2").mark();
-    mark().str("storage").global("torch", type).str(key).str("cpu");
-    int1(numel).op('t').op('Q');
-    int1(offset).ints(sizes).ints(strides).op(0x89).ordered_dict();
-    return op('t').op('R');
-  }
-};
-
-/// An OrderedDict {"w": tensor(...)} pickle.
-std::string one_tensor(const std::string& type, int numel, int offset,
-                       const std::vector<int>& sizes,
-                       const std::vector<int>& strides) {
-  Pickle p;
-  p.proto().ordered_dict().mark().str("w");
-  p.tensor(type, numel, offset, sizes, strides);
-  return p.op('u').op('.').bytes;
-}
-
-std::string floats(int n) {
-  return std::string(4 * static_cast<size_t>(n), '\0');
-}
+using handmade::floats;
+using handmade::one_tensor;
+using handmade::Pickle;
+using handmade::safetensors;
+using handmade::write_zip;
 
 /// Expects reading `path` to throw a c10::Error naming the file and saying
 /// `substring`.
@@ -702,16 +630,6 @@ TEST_F(StateDictTest, RefusesTruncatedAndForeignFiles) {
   expect_refused(dir.file("legacy"), "legacy (non-zip) PyTorch file");
   expect_refused(dir.file("does-not-exist"), "no such file");
   EXPECT_THROW_MSG(mha::read_state_dict(dir.file("")), "not a regular file");
-}
-
-/// A safetensors file from a header and a data section.
-std::string safetensors(const std::string& header, const std::string& data) {
-  std::string bytes(8, '\0');
-  for (int i = 0; i < 8; ++i) {
-    bytes[static_cast<size_t>(i)] =
-        static_cast<char>((header.size() >> (8 * i)) & 0xff);
-  }
-  return bytes + header + data;
 }
 
 TEST_F(StateDictTest, RefusesInconsistentSafetensors) {
