@@ -60,7 +60,7 @@ constexpr TaskDefaults kCharDefaults = {
 
 // Addition: a 2 + 2-layer, 64-wide encoder-decoder (measured: see README).
 constexpr TaskDefaults kAddDefaults = {
-    /*steps=*/2000,
+    /*steps=*/1000,
     /*batch_size=*/64,
     /*warmup=*/100,
     /*d_model=*/64,
@@ -85,7 +85,7 @@ std::nullopt_t usage_error(int& exit_status, const std::string& message) {
 }
 
 void add_training_options(CLI::App& app, Args& a) {
-  app.add_option("--steps", a.steps, "optimisation steps [800 / 2000 / 800]");
+  app.add_option("--steps", a.steps, "optimisation steps [800 / 1000 / 800]");
   app.add_option("--batch-size", a.batch_size,
                  "sequences per step [64 / 64 / 32]");
   app.add_option("--lr", a.lr, "peak learning rate [2e-3 / 2e-3 / 3e-3]");
