@@ -1,7 +1,8 @@
 # Checks mha-train end to end on tiny settings: bad arguments give one line
 # and exit 2; a run writes its checkpoint, loss.csv and loss.svg and prints
 # the accuracy; a run stopped at step k and resumed writes the same losses
-# as the uninterrupted run; --task charlm prints the baseline and a sample
+# as the uninterrupted run; --task add prints the exact match of greedy
+# decoding and examples; --task charlm prints the baseline and a sample
 # and draws its attention maps.
 # Variables: TOOL (the mha-train executable), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
@@ -42,6 +43,7 @@ expect_usage_error("--plot-length must be in \\[1, --context = 64\\], got 65"
 file(WRITE ${WORK_DIR}/a-file "")
 expect_usage_error("--plot-attention: cannot write to directory"
                    --task charlm --plot-attention ${WORK_DIR}/a-file/maps)
+expect_usage_error("--digits must be in \\[1, 18\\], got 19" --task add --digits 19)
 run_tool(0 --help)
 
 # A tiny reverse run, uninterrupted.
@@ -94,6 +96,19 @@ if(NOT rows EQUAL 25 OR NOT whole_losses STREQUAL resumed_losses)
 endif()
 # Settings that differ from the checkpoint's are refused.
 run_tool(1 ${tiny} --out resumed --resume --lr 0.01)
+
+# A tiny addition model (encoder-decoder).
+run_tool(0 --task add --digits 2 --d-model 32 --heads 2 --layers 1 --ff 64
+         --batch-size 32 --steps 30 --warmup 3 --eval-sequences 100 --out add
+         --quiet)
+if(NOT last_out MATCHES "trained steps 1-30 in [0-9]+s \\([0-9.]+ ms/step\\)"
+   OR NOT last_out MATCHES "held-out exact match: [0-9.]+% of 100 additions \\([0-9.]+% of answer tokens\\), greedy decoding through the decoder's cache"
+   OR NOT last_out MATCHES "examples:\n[0-9]+\\+[0-9]+ = [0-9]+ \\(model: [0-9]*\\)\n")
+  message(FATAL_ERROR "mha-train --task add: no time per step, exact match or examples:\n${last_out}")
+endif()
+if(NOT EXISTS ${WORK_DIR}/add/checkpoint/model.safetensors)
+  message(FATAL_ERROR "mha-train --task add did not write add/checkpoint")
+endif()
 
 # A tiny character model.
 set(text "")

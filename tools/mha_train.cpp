@@ -25,10 +25,13 @@ int main(int argc, char** argv) {
   CLI::App app{
       "mha-train: trains toy models with the mha library. Tasks: reverse "
       "(default) and sort teach a TransformerEncoder to reverse or sort "
-      "random digit sequences of variable length (padding masked); charlm "
+      "random digit sequences of variable length (padding masked); add "
+      "teaches an encoder-decoder Transformer to add two numbers (greedy "
+      "decoding through the decoder's cache); charlm "
       "trains a small GPT-style character language model on a text. "
       "Writes checkpoints, loss.csv and loss.svg under --out. Task-dependent "
-      "defaults are shown as [digit tasks / charlm]. Exit status: 0 done, 1 "
+      "defaults are shown as [digit tasks / add / charlm]. Exit status: 0 "
+      "done, 1 "
       "training failed, 2 bad arguments."};
   tool::Args args;
   tool::add_options(app, args);

@@ -127,6 +127,26 @@ int report_charlm(const Args& args, const Config& config,
   return 0;
 }
 
+/// The add report: exact match on held-out additions by greedy decoding
+/// through the decoder's cache, and a few examples.
+int report_addition(const Args& args, train::AdditionTask& task) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto matches = task.accuracy(args.eval_sequences);
+  const std::chrono::duration<double> decode_time =
+      std::chrono::steady_clock::now() - start;
+  fmt::print(
+      "held-out exact match: {:.2f}% of {} additions ({:.3f}% of answer "
+      "tokens), greedy decoding through the decoder's cache in {:.2f} s\n",
+      100.0 * static_cast<double>(matches.exact) /
+          static_cast<double>(matches.sequences),
+      matches.sequences,
+      100.0 * static_cast<double>(matches.correct_tokens) /
+          static_cast<double>(std::max<int64_t>(matches.tokens, 1)),
+      decode_time.count());
+  fmt::print("examples:\n{}", task.examples(3));
+  return 0;
+}
+
 }  // namespace
 
 bool set_threads(int threads) {
@@ -152,6 +172,20 @@ std::unique_ptr<train::TrainTask> make_task(const Args& args,
       return std::make_unique<train::CharLMTask>(std::move(corpus),
                                                  model_options, config.batch,
                                                  args.seed, config.device);
+    }
+    if (config.addition) {
+      const auto data = train::AdditionDataOptions().max_digits(args.digits);
+      const auto model_options =
+          train::Seq2SeqTransformerOptions(
+              train::kAddVocabSize, data.source_length(), data.target_length())
+              .d_model(config.d_model)
+              .nhead(config.heads)
+              .num_encoder_layers(config.layers)
+              .num_decoder_layers(config.layers)
+              .dim_feedforward(config.ff)
+              .dropout(config.dropout);
+      return std::make_unique<train::AdditionTask>(
+          data, model_options, config.batch, args.seed, config.device);
     }
     const auto data = train::DigitDataOptions(args.task_name == "sort"
                                                   ? train::DigitRule::kSort
@@ -258,16 +292,22 @@ int report(const Args& args, const Config& config, train::TrainTask& task,
     fmt::print("nothing to do: the checkpoint is at step {} of {}\n",
                result.first_step - 1, options.steps());
   } else {
+    const int64_t steps = result.last_step - result.first_step + 1;
     fmt::print(
-        "trained steps {}-{} in {}; checkpoint {}, loss curve {} and {}\n",
+        "trained steps {}-{} in {} ({:.1f} ms/step); checkpoint {}, loss "
+        "curve {} and {}\n",
         result.first_step, result.last_step, train::format_duration(seconds),
-        files.checkpoint_dir, files.loss_csv, files.loss_svg);
+        1e3 * seconds / static_cast<double>(steps), files.checkpoint_dir,
+        files.loss_csv, files.loss_svg);
   }
   if (result.last_step < options.steps() &&
       result.last_step >= result.first_step) {
     fmt::print("stopped at step {} (--stop-at); continue with --resume\n",
                result.last_step);
     return 0;
+  }
+  if (auto* add_task = dynamic_cast<train::AdditionTask*>(&task)) {
+    return report_addition(args, *add_task);
   }
   if (auto* digit_task = dynamic_cast<train::DigitTask*>(&task)) {
     const auto accuracy = digit_task->accuracy(args.eval_sequences);

@@ -32,6 +32,8 @@ struct Args {
   std::optional<double> dropout;
   // Digit tasks.
   int64_t min_len = 1, max_len = 16, eval_sequences = 2000;
+  // Addition (encoder-decoder).
+  int64_t digits = 5;
   // Character language model.
   std::string text_path;
   int64_t context = 64, sample_len = 400, top_k = 10;
@@ -62,10 +64,12 @@ void add_options(CLI::App& app, Args& args);
 /// The run the arguments describe, after the checks.
 struct Config {
   bool charlm = false;
+  bool addition = false;  ///< --task add
   mha::train::TrainOptions options;
   int64_t batch = 0;  ///< sequences per step (all ranks together)
   int64_t plot_length = 0;
-  // Model settings: the given ones or the task's defaults.
+  // Model settings: the given ones or the task's defaults (add: layers
+  // is the count of encoder layers and of decoder layers).
   int64_t d_model = 0, heads = 0, layers = 0, ff = 0;
   double dropout = 0;
   /// A worker of a data-parallel job (RANK, WORLD_SIZE set), else nullopt.
@@ -91,7 +95,8 @@ int launch_workers(const CLI::App& app, const Args& args, const Config& config,
 /// loaded: then returns true).
 bool set_threads(int threads);
 
-/// The task (data and model) of `config`: a DigitTask or a CharLMTask.
+/// The task (data and model) of `config`: a DigitTask, an AdditionTask or a
+/// CharLMTask.
 /// nullptr after a usage error was printed (exit status 2).
 std::unique_ptr<mha::train::TrainTask> make_task(const Args& args,
                                                  const Config& config);
@@ -113,8 +118,9 @@ std::optional<int> train(const Args& args, const Config& config,
                          mha::distributed::ProcessGroup* group,
                          mha::train::TrainResult& result, double& seconds);
 
-/// Rank 0's report after training: the steps trained, then the accuracy
-/// (digit tasks) or the validation loss, a sample and the attention maps
+/// Rank 0's report after training: the steps trained and the time per step,
+/// then the accuracy (digit tasks; add: exact match by greedy decoding, and
+/// a few examples) or the validation loss, a sample and the attention maps
 /// (charlm). Returns the exit status.
 int report(const Args& args, const Config& config, mha::train::TrainTask& task,
            const mha::train::TrainResult& result, double seconds);

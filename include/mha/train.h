@@ -1,12 +1,14 @@
 // Training toy models with mha: the pieces of mha-train, written to be read
 // as a model for your own training loops.
 //
-//   * Two toy tasks: digit sequences to reverse or sort (an
-//     mha::TransformerEncoder with a key padding mask), and a small GPT-style
+//   * Three toy tasks: digit sequences to reverse or sort (an
+//     mha::TransformerEncoder with a key padding mask), a small GPT-style
 //     character language model (pre-norm blocks of causal
 //     mha::MultiHeadAttention and an MLP, the output head tied to the token
-//     embedding).
-//   * One training loop for both: AdamW, linear warmup + cosine learning rate,
+//     embedding), and adding two numbers with an encoder–decoder
+//     mha::Transformer (teacher forcing; greedy decoding through the
+//     decoder's cache).
+//   * One training loop for all: AdamW, linear warmup + cosine learning rate,
 //     gradient clipping, periodic validation, checkpoints and exact resume.
 //   * The loss curve as CSV and as an SVG plot.
 //
@@ -30,4 +32,5 @@
 #include "mha/train/optim.h"       // LrSchedule, AdamW
 #include "mha/train/progress.h"    // Progress, ProgressThrottle, format_*
 #include "mha/train/report.h"      // LossRecord, loss CSV and SVG
+#include "mha/train/seq2seq.h"     // AdditionTask, Seq2SeqTransformer
 #include "mha/train/tasks.h"       // TrainTask, DigitTask, CharLMTask
