@@ -112,6 +112,12 @@ void MultiHeadAttentionImpl::reset() {
         options.rotary_theta());
   }
 
+  // Declared in this commit, implemented in the next.
+  TORCH_CHECK(!options.rotary_dim().has_value() &&
+                  options.rotary_scaling().rope_type == "default",
+              "MultiHeadAttention: rotary_dim and rotary_scaling are not "
+              "implemented yet");
+
   if (options.scale().has_value()) {
     TORCH_CHECK(std::isfinite(*options.scale()),
                 "MultiHeadAttention: scale must be finite, but got ",
@@ -505,7 +511,9 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const torch::Tensor& query, const torch::Tensor& key,
     const torch::Tensor& value, const torch::Tensor& key_padding_mask,
     bool need_weights, const torch::Tensor& attn_mask,
-    bool average_attn_weights, bool is_causal) {
+    bool average_attn_weights, bool is_causal, const torch::Tensor& positions) {
+  TORCH_CHECK(!positions.defined(),
+              "MultiHeadAttention: positions is not implemented yet");
   // Self-attention is decided by the arguments, never by comparing data.
   const bool self_attention =
       !key.defined() || (key.is_same(query) && value.is_same(query));
@@ -558,16 +566,20 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
 
   // The extra key positions and the position rules exclude each other
   // (reset), so the causal block goes to the core here only without them.
-  const auto positions =
+  const auto rules =
       key_positions(*this, L, S, /*diagonal=*/0, is_causal && !extra_keys,
                     in.query.options());
-  return attend_and_project(*this, q, k, v, mask, positions, in.batched,
+  return attend_and_project(*this, q, k, v, mask, rules, in.batched,
                             need_weights, average_attn_weights);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
     const torch::Tensor& query, KVCache& cache, bool is_causal,
-    bool need_weights, bool average_attn_weights) {
+    bool need_weights, bool average_attn_weights,
+    const torch::Tensor& key_padding_mask, const torch::Tensor& positions) {
+  TORCH_CHECK(!key_padding_mask.defined() && !positions.defined(),
+              "MultiHeadAttention::forward_cached: key_padding_mask and "
+              "positions are not implemented yet");
   TORCH_CHECK(!options.add_bias_kv() && !options.add_zero_attn(),
               "MultiHeadAttention::forward_cached: add_bias_kv and "
               "add_zero_attn are not supported with a cache");
@@ -611,9 +623,9 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
     k_all = torch::cat({k_all.narrow(2, 0, P), k}, 2);
     v_all = torch::cat({v_all.narrow(2, 0, P), v}, 2);
   }
-  const auto positions = key_positions(*this, T, P + T, /*diagonal=*/P,
-                                       is_causal, in.query.options());
-  return attend_and_project(*this, q, k_all, v_all, torch::Tensor(), positions,
+  const auto rules = key_positions(*this, T, P + T, /*diagonal=*/P, is_causal,
+                                   in.query.options());
+  return attend_and_project(*this, q, k_all, v_all, torch::Tensor(), rules,
                             in.batched, need_weights, average_attn_weights);
 }
 
