@@ -51,6 +51,9 @@ SHORT = torch.stack(
 # Beyond max_position_embeddings / original_max_position_embeddings (16):
 # dynamic grows its base, longrope takes long_factor.
 LONG = torch.stack([torch.arange(28, 28 + T), torch.arange(20, 20 + T)])
+# Thousands of positions, where transformers' float32 angles drift: the test
+# compares both with a float64 evaluation instead (cases named *_large).
+LARGE = torch.stack([torch.arange(4000, 4000 + T), torch.arange(7000, 7000 + T)])
 
 
 def cases():
@@ -124,6 +127,11 @@ def cases():
                 SHORT,
             )
         )
+        if partial == 1.0:
+            out += [
+                ("default_large_full", {"rope_type": "default", "rope_theta": 10000.0}, 8192, LARGE),
+                ("linear_large_full", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, 8192, LARGE),
+            ]
         # This round's cases (their names end with its tag) get its factor.
         out = [
             (name, dict(params, partial_rotary_factor=partial), max_pos, positions)

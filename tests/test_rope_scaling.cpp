@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -135,6 +136,10 @@ TEST(RopeFixtures, EveryRopeTypeAndPartialRotaryIsRecorded) {
 // module's buffers after the call (relative 1e-5: transformers computes in
 // float32), and rotary_embedding_at against apply_rotary_pos_emb with
 // transformers' cos and sin.
+bool is_large(const RopeCase& rc) {
+  return rc.name.find("_large") != std::string::npos;
+}
+
 TEST(RopeFixtures, FrequenciesAndRotationMatchTransformers) {
   torch::manual_seed(0);
   for (const auto& rc : rope_cases()) {
@@ -146,6 +151,9 @@ TEST(RopeFixtures, FrequenciesAndRotationMatchTransformers) {
                  "inv_freq");
     EXPECT_NEAR(freq.attention_factor, rc.attention_scaling,
                 1e-6 * rc.attention_scaling);
+    if (is_large(rc)) {
+      continue;  // below: HF's float32 angles drift there
+    }
     auto x = torch::randn({2, 3, rc.positions.size(1), rc.head_dim},
                           torch::kFloat64);  // (N, H, T, D)
     auto expected = hf_apply_rotary(x, rc.cos.to(torch::kFloat64),
@@ -158,6 +166,51 @@ TEST(RopeFixtures, FrequenciesAndRotationMatchTransformers) {
                       std::string("rotated ") + c10::toString(dtype));
     }
   }
+}
+
+// At positions 4000..7011 transformers' float32 angles drift from the
+// formula; mha's rotation (angles in float64) must be at least as close to
+// a float64 evaluation written out here (w_i = theta^(-2i/R) / factor for
+// "default" and "linear") as transformers' own cos and sin are, in float64
+// and float32.
+TEST(RopeFixtures, LargePositionsAtLeastAsCloseToFloat64AsTransformers) {
+  torch::manual_seed(0);
+  int checked = 0;
+  for (const auto& rc : rope_cases()) {
+    if (!is_large(rc)) {
+      continue;
+    }
+    SCOPED_TRACE(rc.name);
+    ++checked;
+    const int64_t R = rc.rotary_dim;
+    auto w = torch::empty({R / 2}, torch::kFloat64);
+    for (int64_t i = 0; i < R / 2; ++i) {
+      w[i] = std::pow(rc.theta,
+                      -2.0 * static_cast<double>(i) / static_cast<double>(R)) /
+             (rc.scaling.rope_type == "linear" ? rc.scaling.factor : 1.0);
+    }
+    auto angles = rc.positions.to(torch::kFloat64).unsqueeze(-1) * w;
+    auto both = torch::cat({angles, angles}, -1);  // (N, T, R), as HF's
+    auto x = torch::randn({2, 3, rc.positions.size(1), rc.head_dim},
+                          torch::kFloat64);
+    auto exact = hf_apply_rotary(x, both.cos(), both.sin());
+    auto hf = hf_apply_rotary(x, rc.cos.to(torch::kFloat64),
+                              rc.sin.to(torch::kFloat64));
+    const double hf_error = (hf - exact).abs().max().item<double>();
+    for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+      auto y =
+          mha::rotary_embedding_at(x.to(dtype), rc.positions, rc.theta,
+                                   mha::RotaryPairing::kHalf, R, rc.scaling);
+      const double error =
+          (y.to(torch::kFloat64) - exact).abs().max().item<double>();
+      EXPECT_LE(error, hf_error) << c10::toString(dtype);
+      if (dtype == torch::kFloat64) {
+        EXPECT_LT(error, 1e-9);
+      }
+    }
+    EXPECT_GT(hf_error, 1e-5);  // the drift this case is about
+  }
+  EXPECT_EQ(checked, 2);
 }
 
 }  // namespace
