@@ -299,8 +299,8 @@ torch::Tensor rotary_embedding_at(const torch::Tensor& x,
     shape.front() = x.size(0);
     shape[shape.size() - 2] = T;
     shape.back() = R / 2;
-    cos = cos.view(shape);
-    sin = sin.view(shape);
+    cos = cos.reshape(shape);
+    sin = sin.reshape(shape);
   }
   cos = cos.to(x.options());
   sin = sin.to(x.options());

@@ -267,6 +267,11 @@ TEST_F(ModelConventionsTest, ExplicitDefaultPositionsChangeNothing) {
     auto [b, wb] = m->forward(x, {}, {}, {}, true, {}, true, true, positions);
     expect_close(b, a, 1e-6, 1e-5, "output");
     expect_close(wb, wa, 1e-6, 1e-5, "weights");
+    // (N, L) positions that are not contiguous (a transposed view).
+    auto strided = torch::arange(7).unsqueeze(1).expand({7, 2}).t();
+    auto c =
+        std::get<0>(m->forward(x, {}, {}, {}, false, {}, true, true, strided));
+    expect_close(c, a, 1e-6, 1e-5, "output, strided positions");
   }
 }
 
