@@ -15,6 +15,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "fixture_helpers.h"
 #include "mha/hf.h"
@@ -92,7 +93,44 @@ INSTANTIATE_TEST_SUITE_P(Families, HfFixtureTest,
                                            "mistral", "qwen2", "qwen2_window",
                                            "falcon_mqa", "falcon_new", "bloom",
                                            "gpt2", "bert", "t5_encoder",
-                                           "t5_decoder"));
+                                           "t5_decoder", "gptj", "gpt_neox",
+                                           "gpt_neox_4x"));
+
+// Every rope_type of transformers 5.x through config.json (rope_parameters;
+// llama_4x_llama3 a 4.x rope_scaling), at position_ids with left padding.
+INSTANTIATE_TEST_SUITE_P(
+    RopeTypes, HfFixtureTest,
+    ::testing::Values("llama_rope_linear", "llama_rope_dynamic",
+                      "llama_rope_yarn", "llama_rope_yarn_attention_factor",
+                      "llama_rope_llama3", "llama_rope_longrope",
+                      "llama_4x_llama3"));
+
+// The rotary fixtures catch a convention left out: the same checkpoint
+// without its rotary scaling (rope cases) or rotating every feature instead
+// of the first rotary_dim (GPT-J, GPT-NeoX) is outside the tolerance.
+TEST(HfTest, RotaryFixturesCatchMissingScalingOrPartialRotary) {
+  for (const std::string name :
+       {"llama_rope_linear", "llama_rope_dynamic", "llama_rope_yarn",
+        "llama_rope_yarn_attention_factor", "llama_rope_llama3",
+        "llama_rope_longrope", "llama_4x_llama3"}) {
+    const auto check = mha::parity::check_reference(
+        case_dir(name) + "/reference.safetensors", torch::kCPU,
+        [](mha::MultiHeadAttentionImpl& m) {
+          EXPECT_NE(m.options.rotary_scaling().rope_type, "default");
+          m.options.rotary_scaling(mha::RotaryScaling{});
+        });
+    EXPECT_FALSE(check.within) << name << " passes without rotary_scaling";
+  }
+  for (const std::string name : {"gptj", "gpt_neox", "gpt_neox_4x"}) {
+    const auto check = mha::parity::check_reference(
+        case_dir(name) + "/reference.safetensors", torch::kCPU,
+        [](mha::MultiHeadAttentionImpl& m) {
+          EXPECT_EQ(m.options.rotary_dim(), c10::optional<int64_t>(4));
+          m.options.rotary_dim(c10::nullopt);
+        });
+    EXPECT_FALSE(check.within) << name << " passes rotating all of head_dim";
+  }
+}
 
 TEST(HfTest, OptionsFromConfig) {
   const auto llama = mha::hf::attention_options(case_dir("llama"), 1);
@@ -141,6 +179,81 @@ TEST(HfTest, OptionsFromConfig) {
   EXPECT_TRUE(mha::hf::causal_attention(config, "decoder"));
   EXPECT_TRUE(
       mha::hf::causal_attention(read_text(case_dir("bloom") + "/config.json")));
+}
+
+// rotary_dim and rotary_scaling as config.json says, both generations.
+TEST(HfTest, RotaryOptionsFromConfig) {
+  const auto yarn = mha::hf::attention_options(case_dir("llama_rope_yarn"));
+  EXPECT_EQ(yarn.rotary_scaling().rope_type, "yarn");
+  EXPECT_DOUBLE_EQ(yarn.rotary_scaling().factor, 4.0);
+  EXPECT_EQ(yarn.rotary_scaling().original_max_position_embeddings, 4);
+  EXPECT_EQ(yarn.rotary_scaling().max_position_embeddings, 16);
+  EXPECT_FALSE(yarn.rotary_scaling().attention_factor.has_value());
+  const auto yarn_af =
+      mha::hf::attention_options(case_dir("llama_rope_yarn_attention_factor"));
+  EXPECT_EQ(yarn_af.rotary_scaling().attention_factor,
+            std::optional<double>(1.3));
+  EXPECT_DOUBLE_EQ(yarn_af.rotary_scaling().beta_fast, 16.0);
+  EXPECT_DOUBLE_EQ(yarn_af.rotary_scaling().beta_slow, 2.0);
+  // longrope without a factor: max_position_embeddings / original = 16 / 4.
+  const auto longrope =
+      mha::hf::attention_options(case_dir("llama_rope_longrope"));
+  EXPECT_EQ(longrope.rotary_scaling().rope_type, "longrope");
+  EXPECT_DOUBLE_EQ(longrope.rotary_scaling().factor, 4.0);
+  EXPECT_EQ(longrope.rotary_scaling().short_factor,
+            std::vector<double>({1.0, 1.5, 2.0, 3.0}));
+  EXPECT_EQ(longrope.rotary_scaling().long_factor,
+            std::vector<double>({2.0, 3.0, 4.0, 6.0}));
+  // 4.x rope_scaling + rope_theta.
+  const auto llama3 = mha::hf::attention_options(case_dir("llama_4x_llama3"));
+  EXPECT_EQ(llama3.rotary_scaling().rope_type, "llama3");
+  EXPECT_DOUBLE_EQ(llama3.rotary_scaling().factor, 8.0);
+  EXPECT_DOUBLE_EQ(llama3.rotary_theta(), 500000.0);
+  EXPECT_EQ(llama3.rotary_scaling().original_max_position_embeddings, 4);
+  EXPECT_EQ(
+      mha::hf::attention_options(case_dir("llama")).rotary_scaling().rope_type,
+      "default");
+  // GPT-J: rotary_dim, interleaved; GPT-NeoX 5.x partial_rotary_factor and
+  // 4.x rotary_pct + rotary_emb_base: 0.5 * head_dim 8 = 4, halves.
+  const auto gptj = mha::hf::attention_options(case_dir("gptj"));
+  EXPECT_EQ(gptj.rotary_dim(), c10::optional<int64_t>(4));
+  EXPECT_EQ(gptj.rotary_pairing(), mha::RotaryPairing::kInterleaved);
+  for (const std::string name : {"gpt_neox", "gpt_neox_4x"}) {
+    const auto neox = mha::hf::attention_options(case_dir(name));
+    EXPECT_EQ(neox.rotary_dim(), c10::optional<int64_t>(4)) << name;
+    EXPECT_EQ(neox.rotary_pairing(), mha::RotaryPairing::kHalf) << name;
+    EXPECT_DOUBLE_EQ(neox.rotary_theta(), 5000.0) << name;
+    EXPECT_TRUE(neox.bias()) << name;
+  }
+
+  using mha::hf::attention_options_from_config;
+  // Phi-3 writes original_max_position_embeddings at the top level; it
+  // wins over the rope dict's (transformers' standardize_rope_params).
+  const auto phi3 = attention_options_from_config(R"({"model_type": "llama",
+      "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+      "max_position_embeddings": 128, "original_max_position_embeddings": 32,
+      "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1],
+                       "long_factor": [1, 2, 3, 4],
+                       "original_max_position_embeddings": 8}})");
+  EXPECT_EQ(phi3.rotary_scaling().rope_type, "longrope");
+  EXPECT_EQ(phi3.rotary_scaling().original_max_position_embeddings, 32);
+  EXPECT_DOUBLE_EQ(phi3.rotary_scaling().factor, 4.0);  // 128 / 32
+  // yarn without original_max_position_embeddings: O = M, factor as given.
+  const auto yarn_m = attention_options_from_config(R"({"model_type": "llama",
+      "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+      "max_position_embeddings": 64,
+      "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": 0.707,
+                       "mscale_all_dim": 0.707, "truncate": false}})");
+  EXPECT_EQ(yarn_m.rotary_scaling().original_max_position_embeddings, 0);
+  EXPECT_EQ(yarn_m.rotary_scaling().max_position_embeddings, 64);
+  EXPECT_DOUBLE_EQ(yarn_m.rotary_scaling().factor, 2.0);
+  EXPECT_EQ(yarn_m.rotary_scaling().mscale, std::optional<double>(0.707));
+  EXPECT_FALSE(yarn_m.rotary_scaling().truncate);
+  // GPTJConfig's default rotary_dim is 64 when the key is absent.
+  EXPECT_EQ(attention_options_from_config(R"({"model_type": "gptj",
+      "n_embd": 256, "n_head": 2, "n_layer": 1})")
+                .rotary_dim(),
+            c10::optional<int64_t>(64));
 }
 
 // The checkpoint's dtype and eval mode; the layer's weights as stored
@@ -215,7 +328,41 @@ TEST(HfTest, UnsupportedConfigValuesNameKeyAndValue) {
                        R"({"model_type": "llama", "hidden_size": 32,
               "num_attention_heads": 4, "num_hidden_layers": 1,
               "rope_scaling": {"rope_type": "mrope"}})"),
-                   "rope_scaling.rope_type 'mrope'");
+                   "config.json: rope_scaling.rope_type 'mrope' is not "
+                   "supported (expected default, linear, dynamic, yarn, "
+                   "longrope or llama3)");
+  EXPECT_THROW_MSG(attention_options_from_config(
+                       R"({"model_type": "llama", "hidden_size": 32,
+              "num_attention_heads": 4, "num_hidden_layers": 1,
+              "rope_parameters": {"rope_type": "yarn", "factor": 2,
+                                  "ntk_alpha": 3}})"),
+                   "config.json: rope_parameters.ntk_alpha 3 is not supported "
+                   "(mha reads rope_type");
+  EXPECT_THROW_MSG(attention_options_from_config(
+                       R"({"model_type": "llama", "hidden_size": 32,
+              "num_attention_heads": 4, "num_hidden_layers": 1,
+              "max_position_embeddings": 16,
+              "rope_parameters": {"rope_type": "longrope",
+                                  "short_factor": [1, 2], "long_factor": [1, 2],
+                                  "original_max_position_embeddings": 4}})"),
+                   "short_factor and long_factor must have rotary_dim / 2 = 4 "
+                   "entries, but have 2 and 2");
+  EXPECT_THROW_MSG(attention_options_from_config(
+                       R"({"model_type": "llama", "hidden_size": 32,
+              "num_attention_heads": 4, "num_hidden_layers": 1,
+              "rope_scaling": {"rope_type": "linear", "factor": "2"}})"),
+                   "rope_scaling: factor must be a number, got \"2\"");
+  EXPECT_THROW_MSG(attention_options_from_config(
+                       R"({"model_type": "gpt_neox", "hidden_size": 32,
+              "num_attention_heads": 4, "num_hidden_layers": 1,
+              "rotary_pct": 0.375})"),
+                   "config.json: rotary_pct 0.375 (3 of head_dim 8 features "
+                   "rotated) is not supported");
+  EXPECT_THROW_MSG(attention_options_from_config(
+                       R"({"model_type": "gptj", "n_embd": 32, "n_head": 4,
+              "n_layer": 1, "rotary_dim": 16})"),
+                   "config.json: rotary_dim 16 (16 of head_dim 8 features "
+                   "rotated) is not supported");
   EXPECT_THROW_MSG(attention_options_from_config(
                        R"({"model_type": "llama", "hidden_size": 32,
               "num_attention_heads": 4, "num_hidden_layers": 2})",

@@ -115,6 +115,7 @@ struct Rope {
   double theta = 10000.0;
   std::string rope_type = "default";
   c10::optional<double> partial_rotary_factor;
+  std::string partial_key;  // where partial_rotary_factor came from
 };
 
 Rope read_rope(const json& config, int64_t layer, double default_theta,
@@ -146,39 +147,148 @@ Rope read_rope(const json& config, int64_t layer, double default_theta,
   rope.theta = opt_double(rope.params, "rope_theta", rope.theta, where);
   rope.rope_type = opt_string(rope.params, "type", "default", where);
   rope.rope_type = opt_string(rope.params, "rope_type", rope.rope_type, where);
-  if (rope.params.contains("partial_rotary_factor") &&
-      !rope.params["partial_rotary_factor"].is_null()) {
-    rope.partial_rotary_factor =
-        opt_double(rope.params, "partial_rotary_factor", 1.0, where);
-  } else if (config.contains("partial_rotary_factor") &&
-             !config["partial_rotary_factor"].is_null()) {
+  // standardize_rope_params: a top-level partial_rotary_factor wins.
+  if (find_key(config, {"partial_rotary_factor"}) != nullptr) {
     rope.partial_rotary_factor =
         opt_double(config, "partial_rotary_factor", 1.0, where);
+    rope.partial_key = "partial_rotary_factor";
+  } else if (find_key(rope.params, {"partial_rotary_factor"}) != nullptr) {
+    rope.partial_rotary_factor =
+        opt_double(rope.params, "partial_rotary_factor", 1.0, where);
+    rope.partial_key = rope.params_key + ".partial_rotary_factor";
   }
   return rope;
 }
 
+/// The keys of rope_parameters / rope_scaling that mha reads (others are
+/// refused by name); their meaning is RotaryScaling's.
+const char* const kRopeKeys[] = {
+    "rope_type",        "type",
+    "rope_theta",       "partial_rotary_factor",
+    "factor",           "original_max_position_embeddings",
+    "low_freq_factor",  "high_freq_factor",
+    "beta_fast",        "beta_slow",
+    "attention_factor", "short_factor",
+    "long_factor",      "mscale",
+    "mscale_all_dim",   "truncate"};
+
+std::vector<double> double_list(const json& params, const char* key,
+                                const std::string& what) {
+  std::vector<double> out;
+  const json* value = find_key(params, {key});
+  if (value == nullptr) {
+    return out;
+  }
+  TORCH_CHECK(value->is_array(), what, ".", key,
+              " must be a list of numbers, got ", value->dump());
+  for (const auto& x : *value) {
+    TORCH_CHECK(x.is_number(), what, ".", key,
+                " must be a list of numbers, got ", value->dump());
+    out.push_back(x.get<double>());
+  }
+  return out;
+}
+
+/// RotaryScaling from the rope dict (transformers 5.x
+/// modeling_rope_utils.py: yarn and longrope without a factor take
+/// max_position_embeddings / original_max_position_embeddings; a top-level
+/// original_max_position_embeddings, as Phi-3 writes, wins).
+RotaryScaling read_scaling(const json& config, const Rope& rope,
+                           int64_t max_position_embeddings,
+                           const std::string& where) {
+  const std::string what = where + ": " + rope.params_key;
+  const std::string& t = rope.rope_type;
+  TORCH_CHECK(t == "default" || t == "linear" || t == "dynamic" ||
+                  t == "yarn" || t == "longrope" || t == "llama3",
+              what, ".rope_type '", t,
+              "' is not supported (expected default, linear, dynamic, yarn, "
+              "longrope or llama3)");
+  for (auto it = rope.params.begin(); it != rope.params.end(); ++it) {
+    bool known = false;
+    for (const char* key : kRopeKeys) {
+      known = known || it.key() == key;
+    }
+    TORCH_CHECK(known, what, ".", it.key(), " ", it.value().dump(),
+                " is not supported (mha reads rope_type, rope_theta, "
+                "partial_rotary_factor, factor, "
+                "original_max_position_embeddings, low_freq_factor, "
+                "high_freq_factor, beta_fast, beta_slow, attention_factor, "
+                "short_factor, long_factor, mscale, mscale_all_dim, "
+                "truncate)");
+  }
+  RotaryScaling s;
+  s.rope_type = t;
+  s.max_position_embeddings = max_position_embeddings;
+  if (t == "default") {
+    return s;
+  }
+  const json& p = rope.params;
+  s.original_max_position_embeddings =
+      opt_int(p, "original_max_position_embeddings", 0, what);
+  // standardize_rope_params: the top-level key wins for the types that read
+  // O, when one rope dict serves every layer.
+  const bool reads_original = t == "yarn" || t == "longrope" || t == "llama3";
+  const bool per_layer_type = rope.params_key.find('.') != std::string::npos;
+  if (reads_original && !per_layer_type &&
+      find_key(config, {"original_max_position_embeddings"}) != nullptr) {
+    s.original_max_position_embeddings =
+        opt_int(config, "original_max_position_embeddings", 0, where);
+  }
+  const int64_t O = s.original_max_position_embeddings > 0
+                        ? s.original_max_position_embeddings
+                        : max_position_embeddings;
+  double factor_default = 1.0;
+  if ((t == "yarn" || t == "longrope") && O > 0 &&
+      max_position_embeddings > 0) {
+    factor_default =
+        static_cast<double>(max_position_embeddings) / static_cast<double>(O);
+  }
+  s.factor = opt_double(p, "factor", factor_default, what);
+  s.low_freq_factor = opt_double(p, "low_freq_factor", 1.0, what);
+  s.high_freq_factor = opt_double(p, "high_freq_factor", 4.0, what);
+  s.beta_fast = opt_double(p, "beta_fast", 32.0, what);
+  s.beta_slow = opt_double(p, "beta_slow", 1.0, what);
+  if (find_key(p, {"attention_factor"}) != nullptr) {
+    s.attention_factor = opt_double(p, "attention_factor", 1.0, what);
+  }
+  if (find_key(p, {"mscale"}) != nullptr) {
+    s.mscale = opt_double(p, "mscale", 0.0, what);
+  }
+  if (find_key(p, {"mscale_all_dim"}) != nullptr) {
+    s.mscale_all_dim = opt_double(p, "mscale_all_dim", 0.0, what);
+  }
+  s.truncate = opt_bool(p, "truncate", true, what);
+  s.short_factor = double_list(p, "short_factor", what);
+  s.long_factor = double_list(p, "long_factor", what);
+  return s;
+}
+
 /// Sets the rotary options of `o` from `rope`, with `rotary_dim` features
-/// rotated per head (nullopt: all of head_dim).
-void set_rotary(MultiHeadAttentionOptions& o, const Rope& rope,
-                c10::optional<int64_t> rotary_dim, RotaryPairing pairing,
+/// rotated per head (nullopt: all of head_dim) as the config's `rotary_key`
+/// says ("rotary_dim 4", "rotary_pct 0.3").
+void set_rotary(MultiHeadAttentionOptions& o, const json& config,
+                const Rope& rope, c10::optional<int64_t> rotary_dim,
+                const std::string& rotary_key, RotaryPairing pairing,
                 int64_t max_position_embeddings, const std::string& where) {
   const int64_t head_dim = o.embed_dim() / o.num_heads();
-  o.rotary(true).rotary_theta(rope.theta).rotary_pairing(pairing);
   TORCH_CHECK(std::isfinite(rope.theta) && rope.theta > 0, where, ": ",
               rope.params_key, ".rope_theta must be finite and > 0, got ",
               rope.theta);
+  o.rotary(true).rotary_theta(rope.theta).rotary_pairing(pairing);
   if (rotary_dim.has_value() && *rotary_dim != head_dim) {
-    TORCH_CHECK(false, where, ": rotating ", *rotary_dim, " of head_dim ",
-                head_dim,
-                " features (partial rotary) is not supported by this build "
-                "(MultiHeadAttentionOptions has no rotary_dim yet)");
+    TORCH_CHECK(
+        *rotary_dim >= 2 && *rotary_dim <= head_dim && *rotary_dim % 2 == 0,
+        where, ": ", rotary_key, " (", *rotary_dim, " of head_dim ", head_dim,
+        " features rotated) is not supported (expected an even "
+        "number of features, 2 .. ",
+        head_dim, ")");
+    o.rotary_dim(*rotary_dim);
   }
-  TORCH_CHECK(rope.rope_type == "default", where, ": ", rope.params_key,
-              ".rope_type '", rope.rope_type,
-              "' is not supported by this build (only 'default': "
-              "MultiHeadAttentionOptions has no rotary_scaling yet)");
-  (void)max_position_embeddings;
+  const RotaryScaling scaling =
+      read_scaling(config, rope, max_position_embeddings, where);
+  check_rotary_scaling(scaling, rotary_dim.value_or(head_dim),
+                       (where + ": " + rope.params_key).c_str());
+  o.rotary_scaling(scaling);
 }
 
 /// Rotated features per head from a partial_rotary_factor (GPT-NeoX:
@@ -189,6 +299,13 @@ c10::optional<int64_t> partial_dim(const Rope& rope, int64_t head_dim) {
   }
   return static_cast<int64_t>(static_cast<double>(head_dim) *
                               *rope.partial_rotary_factor);
+}
+
+/// "key value" of the partial rotary factor, for messages.
+std::string partial_text(const Rope& rope) {
+  std::ostringstream text;
+  text << rope.partial_key << " " << rope.partial_rotary_factor.value_or(1.0);
+  return text.str();
 }
 
 /// Checks that the config's head_dim (when present) is E / H, the only
@@ -343,8 +460,8 @@ LayerSpec layer_spec(const json& config, int64_t layer,
       const int64_t max_pos =
           opt_int(config, "max_position_embeddings", 0, where);
       const Rope rope = read_rope(config, layer, 10000.0, where);
-      set_rotary(o, rope, partial_dim(rope, D), RotaryPairing::kHalf, max_pos,
-                 where);
+      set_rotary(o, config, rope, partial_dim(rope, D), partial_text(rope),
+                 RotaryPairing::kHalf, max_pos, where);
       // Sliding windows: 5.x layer_types; 4.x Mistral sliding_window, 4.x
       // Qwen2 use_sliding_window from max_window_layers on.
       const json* types = find_key(config, {"layer_types"});
@@ -376,11 +493,18 @@ LayerSpec layer_spec(const json& config, int64_t layer,
     }
     case Family::kGptJ: {
       const Rope rope = read_rope(config, layer, 10000.0, where);
-      c10::optional<int64_t> rotary_dim;
-      if (find_key(config, {"rotary_dim"}) != nullptr) {
-        rotary_dim = opt_int(config, "rotary_dim", D, where);
+      // GPTJConfig: rotary_dim 64 when the key is absent; null rotates
+      // every feature.
+      c10::optional<int64_t> rotary_dim = 64;
+      if (config.contains("rotary_dim")) {
+        rotary_dim = find_key(config, {"rotary_dim"}) != nullptr
+                         ? c10::optional<int64_t>(
+                               opt_int(config, "rotary_dim", D, where))
+                         : c10::nullopt;
       }
-      set_rotary(o, rope, rotary_dim, RotaryPairing::kInterleaved,
+      set_rotary(o, config, rope, rotary_dim,
+                 "rotary_dim " + std::to_string(rotary_dim.value_or(D)),
+                 RotaryPairing::kInterleaved,
                  opt_int(config, "n_positions", 0, where), where);
       spec.causal = true;
       break;
@@ -393,8 +517,10 @@ LayerSpec layer_spec(const json& config, int64_t layer,
         // 4.x: rotary_pct (transformers' default 0.25).
         rope.partial_rotary_factor =
             opt_double(config, "rotary_pct", 0.25, where);
+        rope.partial_key = "rotary_pct";
       }
-      set_rotary(o, rope, partial_dim(rope, D), RotaryPairing::kHalf,
+      set_rotary(o, config, rope, partial_dim(rope, D), partial_text(rope),
+                 RotaryPairing::kHalf,
                  opt_int(config, "max_position_embeddings", 0, where), where);
       spec.qkv_bias = spec.out_bias =
           opt_bool(config, "attention_bias", true, where);
@@ -419,7 +545,8 @@ LayerSpec layer_spec(const json& config, int64_t layer,
         o.num_kv_heads(Hkv);
       }
       const Rope rope = read_rope(config, layer, 10000.0, where);
-      set_rotary(o, rope, partial_dim(rope, D), RotaryPairing::kHalf,
+      set_rotary(o, config, rope, partial_dim(rope, D), partial_text(rope),
+                 RotaryPairing::kHalf,
                  opt_int(config, "max_position_embeddings", 0, where), where);
       spec.qkv_bias = spec.out_bias = opt_bool(config, "bias", false, where);
       spec.causal = true;
