@@ -132,6 +132,85 @@ TEST(HfTest, RotaryFixturesCatchMissingScalingOrPartialRotary) {
   }
 }
 
+// The left-padded batch of llama_cache (sequence 1 has two pads before its
+// 3-token prompt), a prompt step then three one-token steps, decoded through
+// ONE KVCache with key_padding_mask and position_ids: equal to HF's
+// DynamicCache steps (check_reference), and to each sequence decoded alone
+// through its own cache at default positions, step by step.
+TEST(HfTest, LeftPaddedBatchThroughOneCacheEqualsHfAndEachSequence) {
+  const std::string file = case_dir("llama_cache") + "/reference.safetensors";
+  const auto check = mha::parity::check_reference(file);
+  ASSERT_EQ(check.parts.size(), 8u) << "output and weights of 4 steps";
+  for (const auto& part : check.parts) {
+    EXPECT_TRUE(part.within) << part.what << ": max abs " << part.max_abs
+                             << "; worst " << check.worst;
+    std::cout << "[ hf cache ] " << part.what << ": max abs " << part.max_abs
+              << "\n";
+  }
+  EXPECT_EQ(check.skipped_rows, 2) << "the two pads of step 0";
+
+  const auto ref = mha::parity::read_reference(file);
+  auto module = mha::parity::reference_module(ref);
+  const auto keep = ref.tensors["attention_mask"] != 0;  // (N, S)
+  const int64_t N = keep.size(0);
+  const int64_t S = keep.size(1);
+  ASSERT_EQ(N, 2);
+  ASSERT_EQ(S, 8);
+  torch::NoGradGuard no_grad;
+  auto at = [&](int64_t k, const char* what) {
+    return ref.tensors["step" + std::to_string(k) + "." + what];
+  };
+  // mha's batched steps, as check_reference runs them.
+  std::vector<torch::Tensor> batched_out, batched_weights;
+  auto cache = module->make_kv_cache(N, S);
+  for (int64_t k = 0, P = 0; k < 4; ++k) {
+    const auto x = at(k, "hidden_states");  // (N, T, E)
+    const int64_t T = x.size(1);
+    auto [out, weights] = module->forward_cached(
+        x, cache, /*is_causal=*/true, /*need_weights=*/true,
+        /*average_attn_weights=*/false, ~keep.narrow(1, 0, P + T),
+        at(k, "position_ids"));  // (N, T, E), (N, H, T, P + T)
+    batched_out.push_back(out);
+    batched_weights.push_back(weights);
+    P += T;
+  }
+  for (int64_t b = 0; b < N; ++b) {
+    auto alone = module->make_kv_cache(1, S);
+    for (int64_t k = 0, P = 0; k < 4; ++k) {
+      const int64_t T = at(k, "hidden_states").size(1);
+      const auto rows = keep[b].narrow(0, P, T).nonzero().squeeze(1);  // (Tb)
+      const auto cols = keep[b].narrow(0, 0, P + T).nonzero().squeeze(1);
+      const auto x =
+          at(k, "hidden_states")[b].index_select(0, rows).unsqueeze(0);
+      auto [out, weights] = module->forward_cached(
+          x, alone, /*is_causal=*/true, /*need_weights=*/true,
+          /*average_attn_weights=*/false);  // (1, Tb, E), (1, H, Tb, Sb)
+      const std::string what =
+          "sequence " + std::to_string(b) + " step " + std::to_string(k);
+      const auto hf_out = at(k, "output")[b].index_select(0, rows);
+      const auto hf_weights =
+          at(k, "weights")[b].index_select(1, rows).index_select(2, cols);
+      expect_hf_close(out[0], hf_out, what + " output vs HF");
+      expect_hf_close(weights[0], hf_weights, what + " weights vs HF");
+      const auto mine = batched_out[k][b].index_select(0, rows);
+      EXPECT_TRUE(torch::allclose(out[0], mine, 1e-5, 1e-6))
+          << what << ": batched vs alone, max abs "
+          << (out[0] - mine).abs().max().item<double>();
+      const auto mine_weights =
+          batched_weights[k][b].index_select(1, rows);  // (H, Tb, P + T)
+      EXPECT_TRUE(torch::allclose(
+          weights[0], mine_weights.index_select(2, cols), 1e-5, 1e-6))
+          << what << ": batched vs alone weights";
+      // The batched pads get exactly no attention.
+      const auto pads =
+          (~keep[b].narrow(0, 0, P + T)).nonzero().squeeze(1);  // (pads)
+      EXPECT_TRUE(mine_weights.index_select(2, pads).eq(0).all().item<bool>())
+          << what;
+      P += T;
+    }
+  }
+}
+
 TEST(HfTest, OptionsFromConfig) {
   const auto llama = mha::hf::attention_options(case_dir("llama"), 1);
   EXPECT_EQ(llama.embed_dim(), 32);

@@ -201,8 +201,14 @@ struct RecordedCheck {
 };
 
 /// Runs mha on the reference's recorded inputs (hidden_states,
-/// attention_mask as key_padding_mask, position_ids, the family's causality)
-/// and compares with its recorded output and per-head weights, on `device`.
+/// attention_mask as key_padding_mask, position_ids as forward's positions,
+/// the family's causality) and compares with its recorded output and
+/// per-head weights, on `device`. A file of decoding steps (step0.*,
+/// step1.*, ...: hidden_states, output, weights, position_ids; one
+/// attention_mask (N, all tokens)) runs them in order through one KVCache
+/// with forward_cached, each step with the mask's columns so far as
+/// key_padding_mask. Query rows the attention_mask marks padding are left
+/// out of the comparison (skipped_rows).
 /// `tamper`, when given, is called on the module before it runs (a test
 /// plants a fault that the check must catch).
 /// Throws c10::Error for a malformed file or a model mha::hf cannot build.

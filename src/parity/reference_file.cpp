@@ -171,6 +171,133 @@ MultiHeadAttention reference_module(const RecordedReference& r) {
                                     stack_of(r), r.path);
 }
 
+namespace {
+
+/// (N, L) bool, true = token, from the reference's attention_mask (all true
+/// without one).
+torch::Tensor keep_mask(const RecordedReference& r, int64_t N, int64_t L) {
+  if (!r.tensors.contains("attention_mask")) {
+    return torch::ones({N, L}, torch::kBool);  // (N, L)
+  }
+  const auto keep = tensor(r, "attention_mask") != 0;  // (N, L)
+  TORCH_CHECK(keep.sizes() == torch::IntArrayRef({N, L}), r.path,
+              ": attention_mask must be (N, L) = (", N, ", ", L, "), got ",
+              keep.sizes());
+  return keep;
+}
+
+/// The recorded position_ids `name` as int64 (N, T) on `device`, or an
+/// undefined tensor (the module's default positions) when absent.
+torch::Tensor positions_of(const RecordedReference& r, const std::string& name,
+                           int64_t N, int64_t T, const torch::Device& device) {
+  if (!r.tensors.contains(name)) {
+    return {};
+  }
+  const auto& positions = tensor(r, name);
+  TORCH_CHECK(positions.sizes() == torch::IntArrayRef({N, T}), r.path, ": ",
+              name, " must be (N, T) = (", N, ", ", T, "), got ",
+              positions.sizes());
+  TORCH_CHECK(!torch::isFloatingType(positions.scalar_type()) &&
+                  positions.scalar_type() != torch::kBool,
+              r.path, ": ", name, " must hold integers, got dtype ",
+              positions.scalar_type());
+  return positions.to(device, torch::kInt64);  // (N, T)
+}
+
+/// One forward over the recorded hidden_states (N, L, E), with the
+/// attention_mask as key_padding_mask and position_ids as positions.
+void check_forward(const RecordedReference& r, MultiHeadAttention& module,
+                   bool causal, const torch::Device& device,
+                   RecordedCheck& check, Worst& worst) {
+  const auto& x = tensor(r, "hidden_states");  // (N, L, E)
+  TORCH_CHECK(x.dim() == 3, r.path, ": hidden_states must be (N, L, E), got ",
+              x.sizes());
+  const int64_t N = x.size(0);
+  const int64_t L = x.size(1);
+  const auto keep = keep_mask(r, N, L);  // (N, S = L)
+  const auto positions = positions_of(r, "position_ids", N, L, device);
+  const bool padded = !keep.all().item<bool>();
+  auto [out, weights] = module->forward(
+      x.to(device), {}, {}, padded ? (~keep).to(device) : torch::Tensor(),
+      /*need_weights=*/true, {}, /*average_attn_weights=*/false, causal,
+      positions);  // (N, L, E), (N, H, L, S)
+  // Query rows that are padding carry no meaning (HF: uniform weights).
+  check.skipped_rows = (~keep).sum().item<int64_t>();
+  compare("output", out, tensor(r, "output"), keep.view({N, L, 1}), check,
+          worst);
+  if (r.tensors.contains("weights")) {
+    compare("weights", weights, tensor(r, "weights"), keep.view({N, 1, L, 1}),
+            check, worst);
+  }
+  std::ostringstream note;
+  note << "layer " << layer_of(r) << (causal ? ", causal" : "") << ", " << N
+       << "x" << L << " tokens"
+       << (positions.defined() ? ", position_ids" : "");
+  if (check.skipped_rows > 0) {
+    note << ", " << check.skipped_rows << " padding rows left out";
+  }
+  check.note = note.str();
+}
+
+/// Recorded decoding steps step0.*, step1.*, ... through one KVCache
+/// (forward_cached), each with the attention_mask's first P + T columns as
+/// key_padding_mask and its position_ids.
+void check_steps(const RecordedReference& r, MultiHeadAttention& module,
+                 bool causal, const torch::Device& device, RecordedCheck& check,
+                 Worst& worst) {
+  auto step_name = [](int64_t k, const char* what) {
+    return "step" + std::to_string(k) + "." + what;
+  };
+  int64_t steps = 0;
+  int64_t total = 0;
+  int64_t N = 0;
+  while (r.tensors.contains(step_name(steps, "hidden_states"))) {
+    const auto& x = tensor(r, step_name(steps, "hidden_states"));
+    TORCH_CHECK(x.dim() == 3 && (steps == 0 || x.size(0) == N), r.path, ": ",
+                step_name(steps, "hidden_states"),
+                " must be (N, T, E) with the N of step0, got ", x.sizes());
+    N = x.size(0);
+    total += x.size(1);
+    ++steps;
+  }
+  const auto keep = keep_mask(r, N, total);  // (N, total)
+  const bool padded = !keep.all().item<bool>();
+  auto cache = module->make_kv_cache(N, total);
+  int64_t P = 0;
+  for (int64_t k = 0; k < steps; ++k) {
+    const auto& x = tensor(r, step_name(k, "hidden_states"));  // (N, T, E)
+    const int64_t T = x.size(1);
+    const auto positions =
+        positions_of(r, step_name(k, "position_ids"), N, T, device);
+    const auto padding = padded ? (~keep.narrow(1, 0, P + T)).to(device)
+                                : torch::Tensor();  // (N, P + T)
+    auto [out, weights] = module->forward_cached(
+        x.to(device), cache, causal, /*need_weights=*/true,
+        /*average_attn_weights=*/false, padding,
+        positions);                          // (N, T, E), (N, H, T, P + T)
+    const auto rows = keep.narrow(1, P, T);  // (N, T): token query rows
+    check.skipped_rows += (~rows).sum().item<int64_t>();
+    compare(step_name(k, "output"), out, tensor(r, step_name(k, "output")),
+            rows.reshape({N, T, 1}), check, worst);
+    if (r.tensors.contains(step_name(k, "weights"))) {
+      compare(step_name(k, "weights"), weights,
+              tensor(r, step_name(k, "weights")), rows.reshape({N, 1, T, 1}),
+              check, worst);
+    }
+    P += T;
+  }
+  std::ostringstream note;
+  note << "layer " << layer_of(r) << (causal ? ", causal" : "") << ", " << N
+       << " sequences, " << steps << " steps through one KV cache (" << total
+       << " tokens" << (padded ? ", key padding" : "") << ")";
+  if (check.skipped_rows > 0) {
+    note << ", " << check.skipped_rows << " padding rows left out";
+  }
+  check.note = note.str();
+}
+
+}  // namespace
+
 RecordedCheck check_reference(
     const std::string& path, const torch::Device& device,
     const std::function<void(MultiHeadAttentionImpl&)>& tamper) {
@@ -191,52 +318,14 @@ RecordedCheck check_reference(
   check.tolerance = (dtype == torch::kFloat32 || dtype == torch::kFloat64)
                         ? Tolerance{1e-5, 1e-4}
                         : tolerance_for(dtype);
-  TORCH_CHECK(r.tensors.contains("hidden_states"), path,
-              ": cached decoding steps (step0.*) need forward_cached's "
-              "key_padding_mask and positions, not in this build");
-  const auto& x = tensor(r, "hidden_states");  // (N, L, E)
-  TORCH_CHECK(x.dim() == 3, path, ": hidden_states must be (N, L, E), got ",
-              x.sizes());
-  const int64_t N = x.size(0);
-  const int64_t L = x.size(1);
-  torch::Tensor keep = torch::ones({N, L}, torch::kBool);  // (N, S = L)
-  if (r.tensors.contains("attention_mask")) {
-    keep = tensor(r, "attention_mask") != 0;
-    TORCH_CHECK(keep.sizes() == torch::IntArrayRef({N, L}), path,
-                ": attention_mask must be (N, L) = (", N, ", ", L, "), got ",
-                keep.sizes());
-  }
-  if (r.tensors.contains("position_ids")) {
-    const auto positions = tensor(r, "position_ids");
-    const auto standard = torch::arange(L).expand({N, L});
-    TORCH_CHECK(positions.sizes() == standard.sizes() &&
-                    positions.to(torch::kInt64).equal(standard),
-                path,
-                ": position_ids other than 0..L-1 need "
-                "MultiHeadAttention::forward's positions, not in this build");
-  }
   torch::NoGradGuard no_grad;
-  const bool padded = !keep.all().item<bool>();
-  auto [out, weights] = module->forward(
-      x.to(device), {}, {}, padded ? (~keep).to(device) : torch::Tensor(),
-      /*need_weights=*/true, {}, /*average_attn_weights=*/false, causal);
-  // Query rows that are padding carry no meaning (HF: uniform weights).
-  const auto rows = keep.view({N, L, 1});  // (N, L, 1)
-  check.skipped_rows = (~keep).sum().item<int64_t>();
   Worst worst;
-  compare("output", out, tensor(r, "output"), rows, check, worst);
-  if (r.tensors.contains("weights")) {
-    compare("weights", weights, tensor(r, "weights"), keep.view({N, 1, L, 1}),
-            check, worst);
+  if (r.tensors.contains("hidden_states")) {
+    check_forward(r, module, causal, device, check, worst);
+  } else {
+    check_steps(r, module, causal, device, check, worst);
   }
   check.worst = worst.text;
-  std::ostringstream note;
-  note << "layer " << layer_of(r) << (causal ? ", causal" : "") << ", " << N
-       << "x" << L << " tokens";
-  if (check.skipped_rows > 0) {
-    note << ", " << check.skipped_rows << " padding rows left out";
-  }
-  check.note = note.str();
   return check;
 }
 
