@@ -8,6 +8,7 @@
 
 #include "attention_core.h"
 #include "mha/masks.h"
+#include "module_positions.h"
 #include "projection.h"
 
 namespace mha {
@@ -98,10 +99,16 @@ void MultiHeadAttentionImpl::reset() {
   head_dim = E / H;
   const int64_t Ekv = Hkv * head_dim;
   if (options.rotary()) {
-    TORCH_CHECK(head_dim % 2 == 0,
+    TORCH_CHECK(options.rotary_dim().has_value() || head_dim % 2 == 0,
                 "MultiHeadAttention: rotary needs an even head_dim, but got "
                 "embed_dim / num_heads = ",
                 head_dim);
+    const int64_t R = options.rotary_dim().value_or(head_dim);
+    TORCH_CHECK(R >= 2 && R % 2 == 0 && R <= head_dim,
+                "MultiHeadAttention: rotary_dim must be even with 2 <= "
+                "rotary_dim <= head_dim = ",
+                head_dim, ", but got ", R);
+    check_rotary_scaling(options.rotary_scaling(), R, "MultiHeadAttention");
     TORCH_CHECK(!options.add_bias_kv() && !options.add_zero_attn(),
                 "MultiHeadAttention: rotary cannot be combined with "
                 "add_bias_kv or add_zero_attn (their extra key position has "
@@ -112,6 +119,16 @@ void MultiHeadAttentionImpl::reset() {
         "got ",
         options.rotary_theta());
   }
+
+  TORCH_CHECK(
+      options.rotary() || (!options.rotary_dim().has_value() &&
+                           options.rotary_scaling().rope_type == "default"),
+      "MultiHeadAttention: rotary_dim and rotary_scaling need "
+      "rotary(true), but got rotary_dim=",
+      options.rotary_dim().has_value() ? std::to_string(*options.rotary_dim())
+                                       : std::string("nullopt"),
+      ", rotary_scaling.rope_type=\"", options.rotary_scaling().rope_type,
+      "\"");
 
   if (options.scale().has_value()) {
     TORCH_CHECK(std::isfinite(*options.scale()),
@@ -237,6 +254,13 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
     }
     if (options.rotary_pairing() == RotaryPairing::kInterleaved) {
       stream << ", rotary_pairing=interleaved";
+    }
+    if (options.rotary_dim().has_value()) {
+      stream << ", rotary_dim=" << *options.rotary_dim();
+    }
+    if (options.rotary_scaling().rope_type != "default") {
+      stream << ", rotary_scaling=" << options.rotary_scaling().rope_type
+             << "(factor=" << options.rotary_scaling().factor << ")";
     }
   }
   if (options.window().has_value()) {
@@ -423,49 +447,6 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
           detail::project(value, rows_of(w, 2 * E, E), rows_of(b, 2 * E, E))};
 }
 
-/// The position rules of the module's options for L queries, query row 0
-/// at key position `diagonal`, and S keys: causal, window and the position
-/// bias per diagonal (attention_core.h's KeyPositions).
-detail::KeyPositions key_positions(const MultiHeadAttentionImpl& m, int64_t L,
-                                   int64_t S, int64_t diagonal, bool causal,
-                                   const torch::TensorOptions& options) {
-  detail::KeyPositions positions(causal);
-  positions.diagonal = diagonal;
-  positions.window = m.options.window().value_or(0);
-  const auto kind = m.options.position_bias();
-  if (kind == PositionBias::kNone) {
-    return positions;
-  }
-  // Entry k of a (H, L + S - 1) row is the diagonal j - i = k - (L - 1),
-  // the relative position key - query = k - (L - 1) - diagonal.
-  const auto index = options.dtype(torch::kLong);
-  auto relative = torch::arange(L + S - 1, index) - (L - 1 + diagonal);
-  if (kind == PositionBias::kAlibi) {
-    auto slopes = alibi_slopes(m.options.num_heads(), options);  // (H)
-    positions.relative_bias =
-        -slopes.unsqueeze(1) * relative.abs().to(options.dtype()).unsqueeze(0);
-  } else {
-    auto buckets = relative_position_bucket(
-        relative, m.options.relative_bidirectional(),
-        m.options.relative_num_buckets(), m.options.relative_max_distance());
-    positions.relative_bias =  // (L+S-1, H) → (H, L+S-1)
-        m.relative_attention_bias->weight.index_select(0, buckets).t();
-  }
-  return positions;
-}
-
-/// With the rotary option, q and k (N, heads, T, D) rotated in place of the
-/// originals, row t at position offset + t; otherwise unchanged.
-void rotate_heads(const MultiHeadAttentionImpl& m, torch::Tensor& q,
-                  torch::Tensor& k, int64_t offset) {
-  if (m.options.rotary()) {
-    q = rotary_embedding(q, offset, m.options.rotary_theta(),
-                         m.options.rotary_pairing());
-    k = rotary_embedding(k, offset, m.options.rotary_theta(),
-                         m.options.rotary_pairing());
-  }
-}
-
 /// The attention step of forward and forward_cached on the heads q
 /// (N, H, L, D), k and v (N, Hkv, S', D): the core, out_proj, and the
 /// caller's layout. Returns (output (N, L, E) as the input's layout,
@@ -506,7 +487,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const torch::Tensor& query, const torch::Tensor& key,
     const torch::Tensor& value, const torch::Tensor& key_padding_mask,
     bool need_weights, const torch::Tensor& attn_mask,
-    bool average_attn_weights, bool is_causal) {
+    bool average_attn_weights, bool is_causal, const torch::Tensor& positions) {
   // Self-attention is decided by the arguments, never by comparing data.
   const bool self_attention =
       !key.defined() || (key.is_same(query) && value.is_same(query));
@@ -518,6 +499,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   const int64_t H = options.num_heads();
   const auto dtype = in.query.scalar_type();
   const auto device = in.query.device();
+  TORCH_CHECK(!positions.defined() || self_attention,
+              "MultiHeadAttention: positions is for self-attention (key and "
+              "value undefined), but key and value were given");
+  const auto at =
+      detail::positions_2d(positions, N, L, in.batched, device,
+                           "MultiHeadAttention");  // (N, L) or undefined
 
   // One additive mask broadcastable to (N, H, L, S).
   auto attn = attn_mask_4d(attn_mask, N, H, L, S, in.batched, dtype, device);
@@ -533,7 +520,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   if (is_causal && extra_keys) {
     causal = causal_mask(L, S, in.query.options());  // (L, S)
   }
-  auto mask = merge_masks({attn, padding, causal}, dtype);
+  // Explicit positions: window and position bias as a dense mask.
+  torch::Tensor rules_mask;
+  if (at.defined()) {
+    rules_mask = detail::position_rules_mask(*this, at, at, is_causal, dtype);
+  }
+  auto mask = merge_masks({attn, padding, causal, rules_mask}, dtype);
 
   auto p = project_inputs(*this, in.query, in.key, in.value, self_attention,
                           key_is_value);
@@ -542,10 +534,10 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     p.v = torch::cat({p.v, bias_v.expand({N, 1, -1})}, 1);  // (N, S+1, Ekv)
   }
   const int64_t Hkv = num_kv_heads();
-  auto q = split_heads(p.q, H);    // (N, H, L, D)
-  auto k = split_heads(p.k, Hkv);  // (N, Hkv, S', D)
-  auto v = split_heads(p.v, Hkv);  // (N, Hkv, S', D)
-  rotate_heads(*this, q, k, 0);    // query row i at position i, key j at j
+  auto q = split_heads(p.q, H);                  // (N, H, L, D)
+  auto k = split_heads(p.k, Hkv);                // (N, Hkv, S', D)
+  auto v = split_heads(p.v, Hkv);                // (N, Hkv, S', D)
+  detail::rotate_heads(*this, q, k, at, at, 0);  // row i at at[n][i], else at i
   if (options.add_zero_attn()) {
     k = torch::cat({k, torch::zeros({N, Hkv, 1, head_dim}, k.options())},
                    2);  // (N, Hkv, S'+1, D)
@@ -559,16 +551,20 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
 
   // The extra key positions and the position rules exclude each other
   // (reset), so the causal block goes to the core here only without them.
-  const auto positions =
-      key_positions(*this, L, S, /*diagonal=*/0, is_causal && !extra_keys,
-                    in.query.options());
-  return attend_and_project(*this, q, k, v, mask, positions, in.batched,
+  auto rules =
+      detail::key_positions(*this, L, S, /*diagonal=*/0,
+                            is_causal && !extra_keys, in.query.options());
+  if (rules_mask.defined()) {
+    rules = detail::KeyPositions(rules.causal);  // in the mask already
+  }
+  return attend_and_project(*this, q, k, v, mask, rules, in.batched,
                             need_weights, average_attn_weights);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
     const torch::Tensor& query, KVCache& cache, bool is_causal,
-    bool need_weights, bool average_attn_weights) {
+    bool need_weights, bool average_attn_weights,
+    const torch::Tensor& key_padding_mask, const torch::Tensor& positions) {
   TORCH_CHECK(!options.add_bias_kv() && !options.add_zero_attn(),
               "MultiHeadAttention::forward_cached: add_bias_kv and "
               "add_zero_attn are not supported with a cache");
@@ -597,13 +593,35 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
               cache.capacity() - P, " more positions (capacity ",
               cache.capacity(), ", ", P, " held), but query has ", T);
 
+  const auto dtype = in.query.scalar_type();
+  const auto device = in.query.device();
+  const char* who = "MultiHeadAttention::forward_cached";
+  const auto at =
+      detail::positions_2d(positions, N, T, in.batched, device, who);  // (N, T)
+  torch::Tensor padding;
+  if (key_padding_mask.defined()) {
+    check_mask(key_padding_mask, "key_padding_mask", dtype, device);
+    const bool ok =
+        in.batched
+            ? key_padding_mask.dim() == 2 && key_padding_mask.size(0) == N &&
+                  key_padding_mask.size(1) == P + T
+            : key_padding_mask.dim() == 1 && key_padding_mask.size(0) == P + T;
+    TORCH_CHECK(
+        ok, who, ": key_padding_mask must be ",
+        in.batched ? "(N, cache length + T) = (" : "(cache length + T) = (",
+        in.batched ? std::to_string(N) + ", " : std::string(), P + T,
+        ") over the cached and the new tokens, but got ",
+        key_padding_mask.sizes());
+    padding = key_padding_mask.view({N, 1, 1, P + T});  // (N, 1, 1, P+T)
+  }
+
   auto p = project_inputs(*this, in.query, in.query, in.query,
                           /*self_attention=*/true, /*key_is_value=*/true);
-  auto q = split_heads(p.q, H);              // (N, H, T, D)
-  auto k = split_heads(p.k, Hkv);            // (N, Hkv, T, D)
-  auto v = split_heads(p.v, Hkv);            // (N, Hkv, T, D)
-  rotate_heads(*this, q, k, P);              // row t at position P + t
-  auto [k_all, v_all] = cache.append(k, v);  // (N, Hkv, P + T, D)
+  auto q = split_heads(p.q, H);                  // (N, H, T, D)
+  auto k = split_heads(p.k, Hkv);                // (N, Hkv, T, D)
+  auto v = split_heads(p.v, Hkv);                // (N, Hkv, T, D)
+  detail::rotate_heads(*this, q, k, at, at, P);  // row t at at[n][t] or P + t
+  auto [k_all, v_all] = cache.append(k, v, at);  // (N, Hkv, P + T, D)
   const bool needs_grad =
       torch::GradMode::is_enabled() && (k.requires_grad() || v.requires_grad());
   if (needs_grad) {
@@ -612,10 +630,24 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
     k_all = torch::cat({k_all.narrow(2, 0, P), k}, 2);
     v_all = torch::cat({v_all.narrow(2, 0, P), v}, 2);
   }
-  const auto positions = key_positions(*this, T, P + T, /*diagonal=*/P,
-                                       is_causal, in.query.options());
-  return attend_and_project(*this, q, k_all, v_all, torch::Tensor(), positions,
-                            in.batched, need_weights, average_attn_weights);
+  auto rules = detail::key_positions(*this, T, P + T, /*diagonal=*/P, is_causal,
+                                     in.query.options());
+  torch::Tensor rules_mask;
+  if (at.defined() || !cache.positions_are_indices()) {
+    // Window and position bias at the recorded positions, as a dense mask.
+    const auto q_at =
+        at.defined() ? at : cache.positions().narrow(1, P, T);  // (N, T)
+    rules_mask =
+        detail::position_rules_mask(*this, q_at, cache.positions(), is_causal,
+                                    dtype);  // (N, H|1, T, P+T)
+    if (rules_mask.defined()) {
+      rules = detail::KeyPositions(rules.causal);
+      rules.diagonal = P;
+    }
+  }
+  auto mask = merge_masks({padding, rules_mask}, dtype);
+  return attend_and_project(*this, q, k_all, v_all, mask, rules, in.batched,
+                            need_weights, average_attn_weights);
 }
 
 namespace {

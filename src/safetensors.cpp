@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
@@ -151,7 +153,9 @@ SafetensorsEntry parse_safetensors_entry(const std::string& where,
 }  // namespace
 
 StateDict read_safetensors(const std::string& path, std::ifstream& in,
-                           uint64_t file_size) {
+                           uint64_t file_size,
+                           const std::function<bool(const std::string&)>& keep,
+                           std::map<std::string, std::string>* metadata) {
   const std::string where = file_label(path) + " (safetensors)";
   unsigned char length_bytes[8];
   read_exact(in, 0, length_bytes, 8, where, "the header length");
@@ -197,6 +201,11 @@ StateDict read_safetensors(const std::string& path, std::ifstream& in,
                     ": __metadata__ values must be strings, got ",
                     value.type_name());
       }
+      if (metadata != nullptr) {
+        for (auto m = it.value().begin(); m != it.value().end(); ++m) {
+          (*metadata)[m.key()] = m.value().get<std::string>();
+        }
+      }
       continue;
     }
     entries.push_back(
@@ -226,6 +235,9 @@ StateDict read_safetensors(const std::string& path, std::ifstream& in,
 
   StateDict result;
   for (const auto& entry : entries) {
+    if (keep && !keep(entry.name)) {
+      continue;
+    }
     torch::Tensor t =
         tensor_from_bytes(*entry.dtype, entry.shape, [&](void* dst) {
           read_exact(in, data_start + entry.begin, dst, entry.end - entry.begin,

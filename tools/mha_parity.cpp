@@ -26,6 +26,9 @@ int main(int argc, char** argv) {
     return *status;
   }
   parity::read_custom_case(app, args);
+  if (!args.references.empty()) {
+    return parity::run_references(app, args);
+  }
 
   const auto plan = parity::plan(app, args);
   if (!plan) {

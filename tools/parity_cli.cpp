@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <regex>
 
@@ -187,6 +189,11 @@ void add_options(CLI::App& app, Args& args) {
   app.add_option("--plot", args.plot_dir,
                  "write an SVG heatmap of the weights of every case that has "
                  "them into this directory");
+  app.add_option("--reference", args.references,
+                 "check mha against recorded outputs of a Python model "
+                 "instead of the matrix (a file of "
+                 "scripts/record_reference.py; repeatable)")
+      ->check(CLI::ExistingFile);
   // For the tool's own tests: proves exit 1.
   app.add_flag("--plant-fault", args.plant_fault,
                "corrupt one weight of mha's copy (a self-test: cases FAIL)")
@@ -269,6 +276,98 @@ std::optional<Plan> plan(const CLI::App& app, const Args& args) {
     return std::nullopt;
   }
   return plan;
+}
+
+int run_references(const CLI::App& app, const Args& args) {
+  if (args.use_custom || !args.filter.empty() || !args.show.empty() ||
+      !args.plot_dir.empty() || !args.dtype_filter.empty() ||
+      app.count("--seed") > 0) {
+    return usage_error(kTool,
+                       "--reference runs the recorded inputs as they are: "
+                       "custom-case flags, --filter, --show, --plot, --dtype "
+                       "and --seed do not apply");
+  }
+  const bool cuda = args.device_name == "cuda";
+  if (cuda_missing(kTool, cuda)) {
+    return 2;
+  }
+  const torch::Device device(cuda ? torch::kCUDA : torch::kCPU);
+  std::ofstream json_file;
+  if (!args.json_path.empty()) {
+    json_file.open(args.json_path);
+    if (!json_file.is_open()) {
+      return usage_error(kTool, fmt::format("--json {}: cannot open for "
+                                            "writing",
+                                            args.json_path));
+    }
+  }
+  fmt::print(
+      "mha-parity --reference: mha (via mha::hf) against outputs "
+      "recorded from Python, on {}\n",
+      args.device_name);
+  fmt::print("{:<34} {:<16} {:>10} {:>10}  {:<18} {}\n", "reference",
+             "compared", "max abs", "max rel", "tolerance", "status");
+  nlohmann::json rows = nlohmann::json::array();
+  int failures = 0;
+  for (const auto& path : args.references) {
+    nlohmann::json row = {{"file", path}};
+    try {
+      std::function<void(mha::MultiHeadAttentionImpl&)> tamper;
+      if (args.plant_fault) {
+        tamper = [](mha::MultiHeadAttentionImpl& m) {
+          m.out_proj->weight[0][0].add_(0.1);
+        };
+      }
+      const auto r = mha::parity::check_reference(path, device, tamper);
+      double max_abs = 0.0;
+      double max_rel = 0.0;
+      std::string compared;
+      for (const auto& part : r.parts) {
+        max_abs = std::max(max_abs, part.max_abs);
+        max_rel = std::max(max_rel, part.max_rel);
+        // Cached steps: "step2.output" counts as "output" here (the note
+        // says how many steps ran).
+        const auto dot = part.what.find('.');
+        const std::string kind =
+            part.what.rfind("step", 0) == 0 && dot != std::string::npos
+                ? part.what.substr(dot + 1)
+                : part.what;
+        if (("+" + compared + "+").find("+" + kind + "+") ==
+            std::string::npos) {
+          compared += (compared.empty() ? "" : "+") + kind;
+        }
+      }
+      const std::string tolerance =
+          fmt::format("{:.0e}+{:.0e}|ref|", r.tolerance.atol, r.tolerance.rtol);
+      fmt::print("{:<34} {:<16} {:>10.3e} {:>10.3e}  {:<18} {}\n", path,
+                 compared, max_abs, max_rel, tolerance,
+                 r.within ? "PASS" : "FAIL");
+      fmt::print("  worst {}; {}\n", r.worst, r.note);
+      failures += r.within ? 0 : 1;
+      row.update({{"status", r.within ? "PASS" : "FAIL"},
+                  {"max_abs", max_abs},
+                  {"max_rel", max_rel},
+                  {"atol", r.tolerance.atol},
+                  {"rtol", r.tolerance.rtol},
+                  {"worst", r.worst},
+                  {"note", r.note}});
+    } catch (const c10::Error& e) {
+      fmt::print("{:<34} {:<16} {:>10} {:>10}  {:<18} FAIL\n  {}\n", path, "-",
+                 "-", "-", "-", e.what_without_backtrace());
+      failures += 1;
+      row.update({{"status", "FAIL"}, {"error", e.what_without_backtrace()}});
+    }
+    rows.push_back(row);
+  }
+  fmt::print("{} of {} references pass\n", args.references.size() - failures,
+             args.references.size());
+  if (json_file.is_open()) {
+    json_file << nlohmann::json{{"references", rows},
+                                {"summary", {{"fail", failures}}}}
+                     .dump(2)
+              << '\n';
+  }
+  return failures == 0 ? 0 : 1;
 }
 
 mha::parity::CaseResult run_one(const Case& c, const torch::Device& device,

@@ -33,7 +33,14 @@ struct Args {
   std::string padding = "none", attn_mask = "none";  ///< none|bool|float
   std::vector<CLI::Option*> custom_flags;
   bool use_custom = false;
+  /// --reference: recorded reference files to check instead of the matrix.
+  std::vector<std::string> references;
 };
+
+/// Checks every --reference file (mha::parity::check_reference): one row
+/// each, the worst element under it, --json rows. Returns the exit status:
+/// 0 all pass, 1 a FAIL (or a file mha cannot read or build), 2 bad usage.
+int run_references(const CLI::App& app, const Args& args);
 
 /// The options (and the custom-case group) of mha-parity, bound to `args`.
 /// Call read_custom_case after parsing.

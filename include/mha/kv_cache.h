@@ -49,20 +49,38 @@ class KVCache {
   torch::Tensor key() const { return key_buffer_.narrow(2, 0, size_); }
   torch::Tensor value() const { return value_buffer_.narrow(2, 0, size_); }
 
-  /// Appends key and value (N, Hkv, T, D) at positions [size(), size() + T)
-  /// and returns key() and value() afterwards. The copies carry no
+  /// The token positions of the entries held, int64 (N, size()) on the
+  /// buffers' device: what append recorded (a view, valid until the next
+  /// append or clear).
+  torch::Tensor positions() const {
+    return position_buffer_.narrow(1, 0, size_);
+  }
+  /// True while every entry's position is its index (no append was given
+  /// explicit positions since the last clear).
+  bool positions_are_indices() const { return positions_are_indices_; }
+
+  /// Appends key and value (N, Hkv, T, D) at entries [size(), size() + T)
+  /// and returns key() and value() afterwards. `positions`, int64 (N, T)
+  /// on the buffers' device, records the tokens' positions; undefined
+  /// (default): their indices size() + 0..T-1. The copies carry no
   /// gradient. Throws c10::Error for another shape, dtype or device, or when
   /// the capacity would be exceeded.
-  std::pair<torch::Tensor, torch::Tensor> append(const torch::Tensor& key,
-                                                 const torch::Tensor& value);
+  std::pair<torch::Tensor, torch::Tensor> append(
+      const torch::Tensor& key, const torch::Tensor& value,
+      const torch::Tensor& positions = {});
 
   /// Forgets every position (size() = 0); keeps the buffers.
-  void clear() { size_ = 0; }
+  void clear() {
+    size_ = 0;
+    positions_are_indices_ = true;
+  }
 
  private:
-  torch::Tensor key_buffer_;    // (N, Hkv, capacity, D)
-  torch::Tensor value_buffer_;  // (N, Hkv, capacity, D)
+  torch::Tensor key_buffer_;       // (N, Hkv, capacity, D)
+  torch::Tensor value_buffer_;     // (N, Hkv, capacity, D)
+  torch::Tensor position_buffer_;  // (N, capacity) int64
   int64_t size_ = 0;
+  bool positions_are_indices_ = true;
 };
 
 }  // namespace mha

@@ -77,6 +77,18 @@ struct MultiHeadAttentionOptions {
   /// Which features the rotary embedding pairs. Default kHalf (GPT-NeoX,
   /// Llama in Hugging Face transformers).
   TORCH_ARG(RotaryPairing, rotary_pairing) = RotaryPairing::kHalf;
+  /// Rotary: rotate only the first rotary_dim features of each head (both
+  /// pairings, pairs formed within those features; the frequencies are
+  /// theta^(-2i / rotary_dim)); the others pass unchanged. GPT-J's
+  /// rotary_dim, GPT-NeoX's rotary_pct · head_dim (HF 5.x:
+  /// partial_rotary_factor · head_dim). Even, 2 <= rotary_dim <= head_dim;
+  /// needs rotary. Default (nullopt): all of head_dim. Not in torch::nn.
+  TORCH_ARG(c10::optional<int64_t>, rotary_dim) = c10::nullopt;
+  /// Rotary: the scaling of the frequencies (mha::RotaryScaling, Hugging
+  /// Face's rope_scaling: linear, dynamic, yarn, longrope, llama3), checked
+  /// by reset(). Default {}: rope_type "default", no scaling. A type other
+  /// than "default" needs rotary. Not in torch::nn.
+  TORCH_ARG(RotaryScaling, rotary_scaling) = {};
   /// Sliding-window (local) attention (Longformer, Beltagy et al., 2020;
   /// Mistral 7B, Jiang et al., 2023): query i sees key j only when
   /// |i - j| < window, positions as for is_causal (forward_cached: the
@@ -172,15 +184,24 @@ class MultiHeadAttentionImpl
   /// A query row whose every key is blocked gets weights 0 and output
   /// out_proj.bias (the attention result is 0), never NaN.
   ///
+  /// positions: int64 (N, L) or (L) (unbatched: (L)), the position of each
+  /// token for rotary, ALiBi, T5's buckets and window, self-attention only;
+  /// default (undefined) 0..L-1. is_causal still follows the token order,
+  /// not positions (as Hugging Face: query i sees tokens j <= i). With
+  /// position_bias or window, explicit positions make the module build the
+  /// bias and window as a dense (N, H, L, S) mask. Left padding as HF:
+  /// positions = cumsum(keep) - 1 with key_padding_mask blocking the pads.
+  ///
   /// Throws c10::Error naming the argument, its shape or dtype and what was
   /// expected: wrong dims or feature sizes, batch or length mismatches, key
-  /// without value, masks of the wrong shape, integer masks, another device.
+  /// without value, masks of the wrong shape, integer masks, another device,
+  /// positions of the wrong shape or dtype or with cross-attention.
   std::tuple<torch::Tensor, torch::Tensor> forward(
       const torch::Tensor& query, const torch::Tensor& key = {},
       const torch::Tensor& value = {},
       const torch::Tensor& key_padding_mask = {}, bool need_weights = true,
       const torch::Tensor& attn_mask = {}, bool average_attn_weights = true,
-      bool is_causal = false);
+      bool is_causal = false, const torch::Tensor& positions = {});
 
   /// Self-attention for incremental decoding: projects query (N, T, E)
   /// ((T, N, E) if !batch_first; (T, E) unbatched, N = 1), appends its keys
@@ -197,11 +218,26 @@ class MultiHeadAttentionImpl
   /// reads the cache's buffers in place; with it, gradients reach this
   /// call's query, key and value but not the cached tokens of earlier calls.
   ///
+  /// key_padding_mask: bool (N, P + T) (unbatched (P + T)), true =
+  /// padding, over the cached and the new tokens (Hugging Face's
+  /// attention_mask negated); a floating one is added as forward's. A query
+  /// row whose every visible key is padding (a left pad) gets attention 0,
+  /// output out_proj.bias, never NaN.
+  /// positions: int64 (N, T) or (T) (unbatched (T)), the position of each
+  /// new token for rotary, ALiBi, T5 buckets and window; default P + 0..T-1.
+  /// Its keys are rotated there before they enter the cache, and the cache
+  /// records them (KVCache::positions) for the position rules of later
+  /// calls. is_causal follows the token order. A left-padded batch thus
+  /// decodes through one cache exactly as HF's generate: attention_mask
+  /// (1 = token), position_ids = cumsum(attention_mask) - 1, pads at 0.
+  ///
   /// Throws c10::Error as forward, and for a cache of another batch size,
   /// head count, head_dim, dtype or device, or without room for T tokens.
   std::tuple<torch::Tensor, torch::Tensor> forward_cached(
       const torch::Tensor& query, KVCache& cache, bool is_causal = true,
-      bool need_weights = false, bool average_attn_weights = true);
+      bool need_weights = false, bool average_attn_weights = true,
+      const torch::Tensor& key_padding_mask = {},
+      const torch::Tensor& positions = {});
 
   /// An empty KVCache for this module: batch_size sequences, capacity
   /// positions, num_kv_heads() heads of head_dim, the parameters' dtype and
@@ -231,15 +267,16 @@ class MultiHeadAttentionImpl
       bool average_attn_weights = true);
 
  protected:
-  // Defaults of forward's arguments 1..7: key, value, key_padding_mask,
-  // need_weights, attn_mask, average_attn_weights, is_causal.
+  // Defaults of forward's arguments 1..8: key, value, key_padding_mask,
+  // need_weights, attn_mask, average_attn_weights, is_causal, positions.
   FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
                            {2, torch::nn::AnyValue(torch::Tensor())},
                            {3, torch::nn::AnyValue(torch::Tensor())},
                            {4, torch::nn::AnyValue(true)},
                            {5, torch::nn::AnyValue(torch::Tensor())},
                            {6, torch::nn::AnyValue(true)},
-                           {7, torch::nn::AnyValue(false)})
+                           {7, torch::nn::AnyValue(false)},
+                           {8, torch::nn::AnyValue(torch::Tensor())})
 
  public:
   /// Checks the options and (re)creates every parameter.

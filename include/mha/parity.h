@@ -193,4 +193,61 @@ torch::Tensor reference_transformer(
     const TransformerOptions& options, bool gelu,
     const std::map<std::string, torch::Tensor>& params, const Inputs& inputs);
 
+// ------------------------------------------------- recorded references ---
+
+/// A reference file recorded from a Python model (scripts/
+/// record_reference.py; format in README.md, "Porting a Hugging Face
+/// model"): a safetensors file with the input and output of one attention
+/// layer, and either the model directory it came from or the layer's
+/// tensors and config.json.
+struct RecordedReference {
+  std::string path;
+  /// __metadata__: format, version, config, layer, stack, model_dir.
+  std::map<std::string, std::string> metadata;
+  /// Every tensor of the file by name.
+  torch::OrderedDict<std::string, torch::Tensor> tensors;
+};
+
+/// Reads a reference file. Throws c10::Error naming the file for one that
+/// is not safetensors, lacks __metadata__ format "mha-attention-reference",
+/// or lacks hidden_states and output (or step0.hidden_states and
+/// step0.output).
+RecordedReference read_reference(const std::string& path);
+
+/// The mha module the reference's model has at its layer: from model_dir
+/// (relative to the file's directory) when the metadata names one, else
+/// from the metadata's config and the file's tensors (mha::hf).
+MultiHeadAttention reference_module(const RecordedReference& reference);
+
+/// The result of checking mha against a reference file.
+struct RecordedCheck {
+  std::string name;     ///< the file's name
+  Tolerance tolerance;  ///< 1e-5 + 1e-4 |ref| in float32/64, else the dtype's
+  std::vector<Comparison> parts;  ///< output, weights (per step if cached)
+  bool within = true;
+  /// The element farthest outside (or nearest to) the tolerance, e.g.
+  /// "output[1, 3, 7]: mha 0.1234 vs reference 0.1240".
+  std::string worst;
+  /// Query rows left out because the attention_mask marks them padding
+  /// (their values carry no meaning; DESIGN.md).
+  int64_t skipped_rows = 0;
+  std::string note;  ///< what ran: model type, layer, causal, rows
+};
+
+/// Runs mha on the reference's recorded inputs (hidden_states,
+/// attention_mask as key_padding_mask, position_ids as forward's positions,
+/// the family's causality) and compares with its recorded output and
+/// per-head weights, on `device`. A file of decoding steps (step0.*,
+/// step1.*, ...: hidden_states, output, weights, position_ids; one
+/// attention_mask (N, all tokens)) runs them in order through one KVCache
+/// with forward_cached, each step with the mask's columns so far as
+/// key_padding_mask. Query rows the attention_mask marks padding are left
+/// out of the comparison (skipped_rows).
+/// `tamper`, when given, is called on the module before it runs (a test
+/// plants a fault that the check must catch).
+/// Throws c10::Error for a malformed file or a model mha::hf cannot build.
+RecordedCheck check_reference(
+    const std::string& path, const torch::Device& device = torch::kCPU,
+    const std::function<void(MultiHeadAttentionImpl&)>& tamper = {});
+
 }  // namespace mha::parity

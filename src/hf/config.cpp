@@ -1,0 +1,641 @@
+// mha::hf, the config layer (hf_internal.h): config.json of transformers 4.x
+// or 5.x to the options of one layer's self-attention, family by family.
+// Facts from transformers' configuration_<family>.py and
+// modeling_<family>.py (and modeling_rope_utils.py for rope_parameters);
+// README.md, "Porting a Hugging Face model", lists the keys read.
+//
+// Glossary: E hidden size, H query heads, Hkv key/value heads, D head_dim.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "hf_internal.h"
+#include "mha/hf.h"
+
+namespace mha::hf::detail {
+namespace {
+
+using nlohmann::json;
+
+/// The value of the first of `keys` that config holds and is not null, or
+/// nullptr.
+const json* find_key(const json& config,
+                     std::initializer_list<const char*> keys,
+                     std::string* found = nullptr) {
+  for (const char* key : keys) {
+    auto it = config.find(key);
+    if (it != config.end() && !it->is_null()) {
+      if (found != nullptr) {
+        *found = key;
+      }
+      return &*it;
+    }
+  }
+  return nullptr;
+}
+
+std::string key_list(std::initializer_list<const char*> keys) {
+  std::string out;
+  for (const char* key : keys) {
+    out += (out.empty() ? "" : " or ") + std::string(key);
+  }
+  return out;
+}
+
+/// A required integer: the first of `keys` present.
+int64_t get_int(const json& config, std::initializer_list<const char*> keys,
+                const std::string& where) {
+  std::string key;
+  const json* value = find_key(config, keys, &key);
+  TORCH_CHECK(value != nullptr, where, ": needs ", key_list(keys),
+              " (an integer), which it lacks");
+  TORCH_CHECK(value->is_number_integer() && value->get<int64_t>() > 0, where,
+              ": ", key, " must be an integer > 0, got ", value->dump());
+  return value->get<int64_t>();
+}
+
+/// An optional integer, `fallback` when absent or null.
+int64_t opt_int(const json& config, const char* key, int64_t fallback,
+                const std::string& where) {
+  const json* value = find_key(config, {key});
+  if (value == nullptr) {
+    return fallback;
+  }
+  TORCH_CHECK(value->is_number_integer(), where, ": ", key,
+              " must be an integer, got ", value->dump());
+  return value->get<int64_t>();
+}
+
+double opt_double(const json& config, const char* key, double fallback,
+                  const std::string& where) {
+  const json* value = find_key(config, {key});
+  if (value == nullptr) {
+    return fallback;
+  }
+  TORCH_CHECK(value->is_number(), where, ": ", key, " must be a number, got ",
+              value->dump());
+  return value->get<double>();
+}
+
+bool opt_bool(const json& config, const char* key, bool fallback,
+              const std::string& where) {
+  const json* value = find_key(config, {key});
+  if (value == nullptr) {
+    return fallback;
+  }
+  TORCH_CHECK(value->is_boolean(), where, ": ", key,
+              " must be true or false, got ", value->dump());
+  return value->get<bool>();
+}
+
+std::string opt_string(const json& config, const char* key,
+                       const std::string& fallback, const std::string& where) {
+  const json* value = find_key(config, {key});
+  if (value == nullptr) {
+    return fallback;
+  }
+  TORCH_CHECK(value->is_string(), where, ": ", key, " must be a string, got ",
+              value->dump());
+  return value->get<std::string>();
+}
+
+/// The rotary settings of a layer, from either generation of config.json:
+/// 5.x `rope_parameters` (one dict, or one per entry of layer_types), 4.x
+/// `rope_theta` + `rope_scaling` at the top level. GPT-NeoX 4.x
+/// (rotary_emb_base, rotary_pct) and GPT-J (rotary_dim) are read by their
+/// families.
+struct Rope {
+  json params = json::object();  // rope_type, factor, ... as in the config
+  std::string params_key;        // "rope_parameters" or "rope_scaling"
+  double theta = 10000.0;
+  std::string rope_type = "default";
+  c10::optional<double> partial_rotary_factor;
+  std::string partial_key;  // where partial_rotary_factor came from
+};
+
+Rope read_rope(const json& config, int64_t layer, double default_theta,
+               const std::string& where) {
+  Rope rope;
+  rope.theta = opt_double(config, "rope_theta", default_theta, where);
+  const json* params = find_key(config, {"rope_parameters"});
+  if (params != nullptr) {
+    rope.params_key = "rope_parameters";
+  } else {
+    params = find_key(config, {"rope_scaling"});
+    rope.params_key = "rope_scaling";
+  }
+  if (params != nullptr) {
+    TORCH_CHECK(params->is_object(), where, ": ", rope.params_key,
+                " must be an object, got ", params->dump());
+    rope.params = *params;
+    // 5.x: one dict per layer type ({"full_attention": {...}, ...}).
+    const json* types = find_key(config, {"layer_types"});
+    if (types != nullptr && types->is_array() &&
+        layer < static_cast<int64_t>(types->size()) &&
+        (*types)[layer].is_string() &&
+        params->contains((*types)[layer].get<std::string>()) &&
+        (*params)[(*types)[layer].get<std::string>()].is_object()) {
+      rope.params_key += "." + (*types)[layer].get<std::string>();
+      rope.params = (*params)[(*types)[layer].get<std::string>()];
+    }
+  }
+  rope.theta = opt_double(rope.params, "rope_theta", rope.theta, where);
+  rope.rope_type = opt_string(rope.params, "type", "default", where);
+  rope.rope_type = opt_string(rope.params, "rope_type", rope.rope_type, where);
+  // standardize_rope_params: a top-level partial_rotary_factor wins.
+  if (find_key(config, {"partial_rotary_factor"}) != nullptr) {
+    rope.partial_rotary_factor =
+        opt_double(config, "partial_rotary_factor", 1.0, where);
+    rope.partial_key = "partial_rotary_factor";
+  } else if (find_key(rope.params, {"partial_rotary_factor"}) != nullptr) {
+    rope.partial_rotary_factor =
+        opt_double(rope.params, "partial_rotary_factor", 1.0, where);
+    rope.partial_key = rope.params_key + ".partial_rotary_factor";
+  }
+  return rope;
+}
+
+/// The keys of rope_parameters / rope_scaling that mha reads (others are
+/// refused by name); their meaning is RotaryScaling's.
+const char* const kRopeKeys[] = {
+    "rope_type",        "type",
+    "rope_theta",       "partial_rotary_factor",
+    "factor",           "original_max_position_embeddings",
+    "low_freq_factor",  "high_freq_factor",
+    "beta_fast",        "beta_slow",
+    "attention_factor", "short_factor",
+    "long_factor",      "mscale",
+    "mscale_all_dim",   "truncate"};
+
+std::vector<double> double_list(const json& params, const char* key,
+                                const std::string& what) {
+  std::vector<double> out;
+  const json* value = find_key(params, {key});
+  if (value == nullptr) {
+    return out;
+  }
+  TORCH_CHECK(value->is_array(), what, ".", key,
+              " must be a list of numbers, got ", value->dump());
+  for (const auto& x : *value) {
+    TORCH_CHECK(x.is_number(), what, ".", key,
+                " must be a list of numbers, got ", value->dump());
+    out.push_back(x.get<double>());
+  }
+  return out;
+}
+
+/// RotaryScaling from the rope dict (transformers 5.x
+/// modeling_rope_utils.py: yarn and longrope without a factor take
+/// max_position_embeddings / original_max_position_embeddings; a top-level
+/// original_max_position_embeddings, as Phi-3 writes, wins).
+RotaryScaling read_scaling(const json& config, const Rope& rope,
+                           int64_t max_position_embeddings,
+                           const std::string& where) {
+  const std::string what = where + ": " + rope.params_key;
+  const std::string& t = rope.rope_type;
+  TORCH_CHECK(t == "default" || t == "linear" || t == "dynamic" ||
+                  t == "yarn" || t == "longrope" || t == "llama3",
+              what, ".rope_type '", t,
+              "' is not supported (expected default, linear, dynamic, yarn, "
+              "longrope or llama3)");
+  for (auto it = rope.params.begin(); it != rope.params.end(); ++it) {
+    bool known = false;
+    for (const char* key : kRopeKeys) {
+      known = known || it.key() == key;
+    }
+    TORCH_CHECK(known, what, ".", it.key(), " ", it.value().dump(),
+                " is not supported (mha reads rope_type, rope_theta, "
+                "partial_rotary_factor, factor, "
+                "original_max_position_embeddings, low_freq_factor, "
+                "high_freq_factor, beta_fast, beta_slow, attention_factor, "
+                "short_factor, long_factor, mscale, mscale_all_dim, "
+                "truncate)");
+  }
+  RotaryScaling s;
+  s.rope_type = t;
+  s.max_position_embeddings = max_position_embeddings;
+  if (t == "default") {
+    return s;
+  }
+  const json& p = rope.params;
+  s.original_max_position_embeddings =
+      opt_int(p, "original_max_position_embeddings", 0, what);
+  // standardize_rope_params: the top-level key wins for the types that read
+  // O, when one rope dict serves every layer.
+  const bool reads_original = t == "yarn" || t == "longrope" || t == "llama3";
+  const bool per_layer_type = rope.params_key.find('.') != std::string::npos;
+  if (reads_original && !per_layer_type &&
+      find_key(config, {"original_max_position_embeddings"}) != nullptr) {
+    s.original_max_position_embeddings =
+        opt_int(config, "original_max_position_embeddings", 0, where);
+  }
+  const int64_t O = s.original_max_position_embeddings > 0
+                        ? s.original_max_position_embeddings
+                        : max_position_embeddings;
+  double factor_default = 1.0;
+  if ((t == "yarn" || t == "longrope") && O > 0 &&
+      max_position_embeddings > 0) {
+    factor_default =
+        static_cast<double>(max_position_embeddings) / static_cast<double>(O);
+  }
+  s.factor = opt_double(p, "factor", factor_default, what);
+  s.low_freq_factor = opt_double(p, "low_freq_factor", 1.0, what);
+  s.high_freq_factor = opt_double(p, "high_freq_factor", 4.0, what);
+  s.beta_fast = opt_double(p, "beta_fast", 32.0, what);
+  s.beta_slow = opt_double(p, "beta_slow", 1.0, what);
+  if (find_key(p, {"attention_factor"}) != nullptr) {
+    s.attention_factor = opt_double(p, "attention_factor", 1.0, what);
+  }
+  if (find_key(p, {"mscale"}) != nullptr) {
+    s.mscale = opt_double(p, "mscale", 0.0, what);
+  }
+  if (find_key(p, {"mscale_all_dim"}) != nullptr) {
+    s.mscale_all_dim = opt_double(p, "mscale_all_dim", 0.0, what);
+  }
+  s.truncate = opt_bool(p, "truncate", true, what);
+  s.short_factor = double_list(p, "short_factor", what);
+  s.long_factor = double_list(p, "long_factor", what);
+  return s;
+}
+
+/// Sets the rotary options of `o` from `rope`, with `rotary_dim` features
+/// rotated per head (nullopt: all of head_dim) as the config's `rotary_key`
+/// says ("rotary_dim 4", "rotary_pct 0.3").
+void set_rotary(MultiHeadAttentionOptions& o, const json& config,
+                const Rope& rope, c10::optional<int64_t> rotary_dim,
+                const std::string& rotary_key, RotaryPairing pairing,
+                int64_t max_position_embeddings, const std::string& where) {
+  const int64_t head_dim = o.embed_dim() / o.num_heads();
+  TORCH_CHECK(std::isfinite(rope.theta) && rope.theta > 0, where, ": ",
+              rope.params_key, ".rope_theta must be finite and > 0, got ",
+              rope.theta);
+  o.rotary(true).rotary_theta(rope.theta).rotary_pairing(pairing);
+  if (rotary_dim.has_value() && *rotary_dim != head_dim) {
+    TORCH_CHECK(
+        *rotary_dim >= 2 && *rotary_dim <= head_dim && *rotary_dim % 2 == 0,
+        where, ": ", rotary_key, " (", *rotary_dim, " of head_dim ", head_dim,
+        " features rotated) is not supported (expected an even "
+        "number of features, 2 .. ",
+        head_dim, ")");
+    o.rotary_dim(*rotary_dim);
+  }
+  const RotaryScaling scaling =
+      read_scaling(config, rope, max_position_embeddings, where);
+  check_rotary_scaling(scaling, rotary_dim.value_or(head_dim),
+                       (where + ": " + rope.params_key).c_str());
+  o.rotary_scaling(scaling);
+}
+
+/// Rotated features per head from a partial_rotary_factor (GPT-NeoX:
+/// int(head_dim * rotary_pct), as transformers).
+c10::optional<int64_t> partial_dim(const Rope& rope, int64_t head_dim) {
+  if (!rope.partial_rotary_factor.has_value()) {
+    return c10::nullopt;
+  }
+  return static_cast<int64_t>(static_cast<double>(head_dim) *
+                              *rope.partial_rotary_factor);
+}
+
+/// "key value" of the partial rotary factor, for messages.
+std::string partial_text(const Rope& rope) {
+  std::ostringstream text;
+  text << rope.partial_key << " " << rope.partial_rotary_factor.value_or(1.0);
+  return text.str();
+}
+
+/// Checks that the config's head_dim (when present) is E / H, the only
+/// head size mha's module has.
+void check_head_dim(const json& config, int64_t embed_dim, int64_t num_heads,
+                    const char* head_dim_key, const std::string& where) {
+  TORCH_CHECK(embed_dim % num_heads == 0, where, ": the hidden size ",
+              embed_dim, " is not divisible by the ", num_heads,
+              " attention heads");
+  const int64_t head_dim =
+      opt_int(config, head_dim_key, embed_dim / num_heads, where);
+  TORCH_CHECK(head_dim == embed_dim / num_heads, where, ": ", head_dim_key, " ",
+              head_dim,
+              " is not supported: mha's heads have hidden size / "
+              "heads = ",
+              embed_dim, " / ", num_heads, " = ", embed_dim / num_heads,
+              " features");
+}
+
+std::string layer_str(int64_t layer) { return std::to_string(layer); }
+
+}  // namespace
+
+nlohmann::json parse_config(const std::string& text, const std::string& where) {
+  json config;
+  try {
+    config = json::parse(text);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, where, ": not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(config.is_object(), where, ": expected a JSON object, got ",
+              config.type_name());
+  return config;
+}
+
+std::string read_config_text(const std::string& model_dir) {
+  const std::string path =
+      (std::filesystem::path(model_dir) / "config.json").string();
+  std::ifstream in(path);
+  TORCH_CHECK(in.is_open(), "mha::hf: cannot open '", path,
+              "' (model_dir must hold a transformers config.json)");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+LayerSpec layer_spec(const json& config, int64_t layer,
+                     const std::string& stack, const std::string& where) {
+  LayerSpec spec;
+  spec.where = where;
+  spec.model_type = opt_string(config, "model_type", "", where);
+  const std::string& t = spec.model_type;
+  TORCH_CHECK(!t.empty(), where, ": needs model_type, which it lacks");
+  TORCH_CHECK(stack == "encoder" || (stack == "decoder" && t == "t5"), where,
+              ": stack must be \"encoder\" (or \"decoder\" for T5), got '",
+              stack, "' for model_type '", t, "'");
+  const std::string L = layer_str(layer);
+  int64_t E = 0;
+  int64_t H = 0;
+  int64_t layers = 0;
+  if (t == "llama" || t == "mistral" || t == "qwen2") {
+    spec.family = Family::kLlama;
+    E = get_int(config, {"hidden_size"}, where);
+    H = get_int(config, {"num_attention_heads"}, where);
+    layers = get_int(config, {"num_hidden_layers"}, where);
+    spec.base_prefix = "model.";
+    spec.prefix = "layers." + L + ".self_attn.";
+  } else if (t == "gptj") {
+    spec.family = Family::kGptJ;
+    E = get_int(config, {"n_embd", "hidden_size"}, where);
+    H = get_int(config, {"n_head", "num_attention_heads"}, where);
+    layers = get_int(config, {"n_layer", "num_hidden_layers"}, where);
+    spec.base_prefix = "transformer.";
+    spec.prefix = "h." + L + ".attn.";
+  } else if (t == "gpt_neox") {
+    spec.family = Family::kGptNeoX;
+    E = get_int(config, {"hidden_size"}, where);
+    H = get_int(config, {"num_attention_heads"}, where);
+    layers = get_int(config, {"num_hidden_layers"}, where);
+    spec.base_prefix = "gpt_neox.";
+    spec.prefix = "layers." + L + ".attention.";
+  } else if (t == "falcon") {
+    spec.family = Family::kFalcon;
+    E = get_int(config, {"hidden_size"}, where);
+    H = get_int(config, {"num_attention_heads", "n_head"}, where);
+    layers = get_int(config, {"num_hidden_layers", "n_layer"}, where);
+    spec.base_prefix = "transformer.";
+    spec.prefix = "h." + L + ".self_attention.";
+  } else if (t == "bloom") {
+    spec.family = Family::kBloom;
+    E = get_int(config, {"hidden_size", "n_embed"}, where);
+    H = get_int(config, {"n_head", "num_attention_heads"}, where);
+    layers = get_int(config, {"n_layer", "num_hidden_layers"}, where);
+    spec.base_prefix = "transformer.";
+    spec.prefix = "h." + L + ".self_attention.";
+  } else if (t == "gpt2") {
+    spec.family = Family::kGpt2;
+    E = get_int(config, {"n_embd", "hidden_size"}, where);
+    H = get_int(config, {"n_head", "num_attention_heads"}, where);
+    layers = get_int(config, {"n_layer", "num_hidden_layers"}, where);
+    spec.base_prefix = "transformer.";
+    spec.prefix = "h." + L + ".attn.";
+  } else if (t == "bert") {
+    spec.family = Family::kBert;
+    E = get_int(config, {"hidden_size"}, where);
+    H = get_int(config, {"num_attention_heads"}, where);
+    layers = get_int(config, {"num_hidden_layers"}, where);
+    spec.base_prefix = "bert.";
+    spec.layer_prefix = "encoder.layer." + L + ".";
+    spec.prefix = spec.layer_prefix + "attention.";
+  } else if (t == "t5") {
+    spec.family = Family::kT5;
+    E = get_int(config, {"d_model"}, where);
+    H = get_int(config, {"num_heads"}, where);
+    layers = get_int(config, {"num_layers"}, where);
+    if (stack == "decoder") {
+      layers = opt_int(config, "num_decoder_layers", layers, where);
+    }
+    spec.base_prefix = "";
+    spec.prefix = stack + ".block." + L + ".layer.0.SelfAttention.";
+    spec.relative_bias_key =
+        stack + ".block.0.layer.0.SelfAttention.relative_attention_bias.weight";
+  } else {
+    TORCH_CHECK(false, where, ": model_type '", t,
+                "' is not supported (supported: llama, mistral, qwen2, gptj, "
+                "gpt_neox, falcon, bloom, gpt2, bert, t5)");
+  }
+  TORCH_CHECK(layer >= 0 && layer < layers, where, ": layer ", layer,
+              " out of range: the ",
+              stack == "decoder" ? "decoder has " : "model has ", layers,
+              " layers (expected 0 <= layer < ", layers, ")");
+
+  MultiHeadAttentionOptions o(E, H);
+  o.batch_first(true);
+  const int64_t D = E / std::max<int64_t>(H, 1);
+  switch (spec.family) {
+    case Family::kLlama: {
+      check_head_dim(config, E, H, "head_dim", where);
+      const int64_t Hkv = opt_int(config, "num_key_value_heads", H, where);
+      TORCH_CHECK(Hkv > 0 && H % Hkv == 0, where, ": num_key_value_heads ", Hkv,
+                  " must divide num_attention_heads ", H);
+      if (Hkv != H) {
+        o.num_kv_heads(Hkv);
+      }
+      if (t == "qwen2") {
+        spec.qkv_bias = true;  // Qwen2Attention: q/k/v biases, o_proj none
+        spec.out_bias = false;
+      } else if (t == "llama") {
+        spec.qkv_bias = spec.out_bias =
+            opt_bool(config, "attention_bias", false, where);
+      }
+      const int64_t max_pos =
+          opt_int(config, "max_position_embeddings", 0, where);
+      const Rope rope = read_rope(config, layer, 10000.0, where);
+      set_rotary(o, config, rope, partial_dim(rope, D), partial_text(rope),
+                 RotaryPairing::kHalf, max_pos, where);
+      // Sliding windows: 5.x layer_types; 4.x Mistral sliding_window, 4.x
+      // Qwen2 use_sliding_window from max_window_layers on.
+      const json* types = find_key(config, {"layer_types"});
+      bool sliding = false;
+      if (types != nullptr) {
+        TORCH_CHECK(types->is_array() &&
+                        static_cast<int64_t>(types->size()) > layer &&
+                        (*types)[layer].is_string(),
+                    where, ": layer_types must list a string per layer, got ",
+                    types->dump());
+        const std::string type = (*types)[layer].get<std::string>();
+        TORCH_CHECK(type == "full_attention" || type == "sliding_attention",
+                    where, ": layer_types[", layer, "] '", type,
+                    "' is not supported (expected full_attention or "
+                    "sliding_attention)");
+        sliding = type == "sliding_attention";
+      } else if (t == "mistral") {
+        sliding = true;
+      } else if (t == "qwen2") {
+        sliding = opt_bool(config, "use_sliding_window", false, where) &&
+                  layer >= opt_int(config, "max_window_layers", 0, where);
+      }
+      const int64_t window = opt_int(config, "sliding_window", 0, where);
+      if (sliding && window > 0) {
+        o.window(window);
+      }
+      spec.causal = true;
+      break;
+    }
+    case Family::kGptJ: {
+      const Rope rope = read_rope(config, layer, 10000.0, where);
+      // GPTJConfig: rotary_dim 64 when the key is absent; null rotates
+      // every feature.
+      c10::optional<int64_t> rotary_dim = 64;
+      if (config.contains("rotary_dim")) {
+        rotary_dim = find_key(config, {"rotary_dim"}) != nullptr
+                         ? c10::optional<int64_t>(
+                               opt_int(config, "rotary_dim", D, where))
+                         : c10::nullopt;
+      }
+      set_rotary(o, config, rope, rotary_dim,
+                 "rotary_dim " + std::to_string(rotary_dim.value_or(D)),
+                 RotaryPairing::kInterleaved,
+                 opt_int(config, "n_positions", 0, where), where);
+      spec.causal = true;
+      break;
+    }
+    case Family::kGptNeoX: {
+      Rope rope = read_rope(
+          config, layer, opt_double(config, "rotary_emb_base", 10000.0, where),
+          where);
+      if (!rope.partial_rotary_factor.has_value()) {
+        // 4.x: rotary_pct (transformers' default 0.25).
+        rope.partial_rotary_factor =
+            opt_double(config, "rotary_pct", 0.25, where);
+        rope.partial_key = "rotary_pct";
+      }
+      set_rotary(o, config, rope, partial_dim(rope, D), partial_text(rope),
+                 RotaryPairing::kHalf,
+                 opt_int(config, "max_position_embeddings", 0, where), where);
+      spec.qkv_bias = spec.out_bias =
+          opt_bool(config, "attention_bias", true, where);
+      spec.causal = true;
+      break;
+    }
+    case Family::kFalcon: {
+      TORCH_CHECK(!opt_bool(config, "alibi", false, where), where,
+                  ": alibi true is not supported for Falcon (expected false: "
+                  "rotary Falcon models)");
+      spec.falcon_new_architecture =
+          opt_bool(config, "new_decoder_architecture", false, where);
+      int64_t Hkv = H;
+      if (spec.falcon_new_architecture) {
+        Hkv = opt_int(config, "num_kv_heads", H, where);
+      } else if (opt_bool(config, "multi_query", true, where)) {
+        Hkv = 1;
+      }
+      TORCH_CHECK(Hkv > 0 && H % Hkv == 0, where, ": num_kv_heads ", Hkv,
+                  " must divide num_attention_heads ", H);
+      if (Hkv != H) {
+        o.num_kv_heads(Hkv);
+      }
+      const Rope rope = read_rope(config, layer, 10000.0, where);
+      set_rotary(o, config, rope, partial_dim(rope, D), partial_text(rope),
+                 RotaryPairing::kHalf,
+                 opt_int(config, "max_position_embeddings", 0, where), where);
+      spec.qkv_bias = spec.out_bias = opt_bool(config, "bias", false, where);
+      spec.causal = true;
+      break;
+    }
+    case Family::kBloom:
+      o.position_bias(PositionBias::kAlibi);
+      spec.qkv_bias = spec.out_bias = true;
+      spec.causal = true;
+      break;
+    case Family::kGpt2: {
+      // GPT2Attention: scores / sqrt(D) when scale_attn_weights (default),
+      // and / (layer + 1) more with scale_attn_by_inverse_layer_idx.
+      double scale = opt_bool(config, "scale_attn_weights", true, where)
+                         ? 1.0 / std::sqrt(static_cast<double>(D))
+                         : 1.0;
+      if (opt_bool(config, "scale_attn_by_inverse_layer_idx", false, where)) {
+        scale /= static_cast<double>(layer + 1);
+      }
+      if (scale != 1.0 / std::sqrt(static_cast<double>(D))) {
+        o.scale(scale);
+      }
+      spec.qkv_bias = spec.out_bias = true;
+      spec.causal = true;
+      break;
+    }
+    case Family::kBert: {
+      const std::string position =
+          opt_string(config, "position_embedding_type", "absolute", where);
+      TORCH_CHECK(position == "absolute", where, ": position_embedding_type '",
+                  position,
+                  "' is not supported (expected absolute: relative_key "
+                  "embeddings are not in mha)");
+      TORCH_CHECK(!opt_bool(config, "is_decoder", false, where), where,
+                  ": is_decoder true is not supported for BERT (expected "
+                  "false: the encoder)");
+      spec.qkv_bias = spec.out_bias = true;
+      spec.layer_norm_eps = opt_double(config, "layer_norm_eps", 1e-12, where);
+      spec.hidden_act = opt_string(config, "hidden_act", "gelu", where);
+      spec.causal = false;
+      break;
+    }
+    case Family::kT5: {
+      const int64_t d_kv = opt_int(config, "d_kv", D, where);
+      TORCH_CHECK(d_kv * H == E, where, ": d_kv ", d_kv,
+                  " is not supported: mha needs num_heads * d_kv = d_model, "
+                  "got ",
+                  H, " * ", d_kv, " != ", E);
+      o.position_bias(PositionBias::kRelative)
+          .relative_num_buckets(
+              opt_int(config, "relative_attention_num_buckets", 32, where))
+          .relative_max_distance(
+              opt_int(config, "relative_attention_max_distance", 128, where))
+          .relative_bidirectional(stack == "encoder")
+          .scale(1.0);
+      spec.causal = stack == "decoder";
+      break;
+    }
+  }
+  o.bias(spec.qkv_bias || spec.out_bias);
+  spec.options = o;
+  return spec;
+}
+
+}  // namespace mha::hf::detail
+
+namespace mha::hf {
+
+MultiHeadAttentionOptions attention_options_from_config(
+    const std::string& config_json, int64_t layer, const std::string& stack,
+    const std::string& where) {
+  return detail::layer_spec(detail::parse_config(config_json, where), layer,
+                            stack, where)
+      .options;
+}
+
+MultiHeadAttentionOptions attention_options(const std::string& model_dir,
+                                            int64_t layer,
+                                            const std::string& stack) {
+  const std::string where =
+      (std::filesystem::path(model_dir) / "config.json").string();
+  return attention_options_from_config(detail::read_config_text(model_dir),
+                                       layer, stack, where);
+}
+
+bool causal_attention(const std::string& config_json,
+                      const std::string& stack) {
+  const auto config = detail::parse_config(config_json, "config.json");
+  return detail::layer_spec(config, 0, stack, "config.json").causal;
+}
+
+}  // namespace mha::hf
