@@ -23,6 +23,16 @@
 #define MHA_HAS_FUSED_SDPA 0
 #endif
 
+// mha-bench's projections+SDPA contender (tools/bench_sdpa.cpp) calls
+// LibTorch's public `at::scaled_dot_product_attention`, new in 2.0 (1.13
+// has only the internal `_scaled_dot_product_attention`). Below 2.0 its
+// rows say "n/a (LibTorch < 2.0)".
+#if MHA_TORCH_VERSION_AT_LEAST(2, 0)
+#define MHA_HAS_TORCH_SDPA 1
+#else
+#define MHA_HAS_TORCH_SDPA 0
+#endif
+
 // c10d (src/train/distributed.cpp): from 2.0 the collective backends such as
 // ProcessGroupGloo derive from c10d::Backend (ProcessGroup became a
 // dispatcher over backends); in 1.x they derive from c10d::ProcessGroup.

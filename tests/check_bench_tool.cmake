@@ -1,7 +1,9 @@
 # Checks mha-bench's documented exit codes (0 ok, 1 results differ, 2 bad
 # usage) and the --json report of a --quick run: the environment keys, one
 # row per configuration and mode, passed checks, the dense FLOP count, the
-# direction of the ratio, and peak memory by both methods.
+# direction of the ratio, and peak memory by both methods; the third
+# contender, projections + at::scaled_dot_product_attention: "n/a (LibTorch
+# < 2.0)" below 2.0, else timed and checked in every mode but fwd-weights.
 # Variables: TOOL (the mha-bench executable), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -28,6 +30,17 @@ expect_exit(1 --quick --plant-fault --config 1,8,8,2 --mode fwd,encoder
 if(NOT last_output MATCHES "FAIL")
   message(FATAL_ERROR "--plant-fault: expected FAIL rows, got:\n${last_output}")
 endif()
+# The fault is planted in the SDPA contender too: its check fails where it
+# runs; below LibTorch 2.0 the table says why it does not.
+if(NOT last_output MATCHES "LibTorch:  1\\." AND
+   NOT last_output MATCHES "sdpa FAIL output")
+  message(FATAL_ERROR "--plant-fault: expected sdpa FAIL, got:\n${last_output}")
+endif()
+if(last_output MATCHES "LibTorch:  1\\." AND
+   NOT last_output MATCHES "n/a \\(LibTorch < 2\\.0\\)")
+  message(FATAL_ERROR "LibTorch 1.x: expected \"n/a (LibTorch < 2.0)\" in "
+          "the SDPA column, got:\n${last_output}")
+endif()
 
 # The quick run and its JSON.
 set(modes fwd fwd-weights causal fwd-bwd inference encoder)
@@ -44,6 +57,12 @@ endforeach()
 string(JSON threads GET "${json}" environment intra_op_threads)
 string(JSON wait_policy GET "${json}" environment omp_wait_policy)
 string(JSON gemm GET "${json}" environment gemm gflops)
+string(JSON libtorch GET "${json}" environment libtorch)
+string(JSON sdpa_available GET "${json}" environment sdpa_available)
+if(libtorch VERSION_LESS 2.0 AND sdpa_available OR
+   libtorch VERSION_GREATER_EQUAL 2.0 AND NOT sdpa_available)
+  message(FATAL_ERROR "LibTorch ${libtorch}: sdpa_available ${sdpa_available}")
+endif()
 if(NOT threads EQUAL 2)
   message(FATAL_ERROR "intra_op_threads ${threads}, expected 2 (the default)")
 endif()
@@ -117,6 +136,43 @@ foreach(config IN LISTS configs)
       message(FATAL_ERROR "${where}: ratio ${ratio} for mha ${median_mha} ms, "
               "torch::nn ${median_torch_nn} ms")
     endif()
+    # The projections+SDPA contender: n/a below LibTorch 2.0 and in
+    # fwd-weights rows (no weights from SDPA), else checked against
+    # torch::nn, timed, and mha/sdpa in the direction of the medians.
+    string(JSON sdpa_status GET "${json}" rows ${i} sdpa status)
+    string(JSON sdpa_ratio GET "${json}" rows ${i} sdpa_ratio)
+    string(JSON sdpa_ratio_type TYPE "${json}" rows ${i} sdpa_ratio)
+    if(NOT sdpa_available OR mode STREQUAL "fwd-weights")
+      string(JSON reason GET "${json}" rows ${i} sdpa reason)
+      if(NOT sdpa_status STREQUAL "n/a" OR NOT sdpa_ratio_type STREQUAL "NULL" OR
+         NOT sdpa_available AND NOT reason STREQUAL "LibTorch < 2.0" OR
+         sdpa_available AND NOT reason MATCHES "weights")
+        message(FATAL_ERROR "${where}: sdpa ${sdpa_status} (${reason}), "
+                "ratio ${sdpa_ratio}")
+      endif()
+    else()
+      string(JSON sdpa_passed GET "${json}" rows ${i} sdpa check passed)
+      string(JSON sdpa_compared LENGTH "${json}" rows ${i} sdpa check compared)
+      string(JSON median_sdpa GET "${json}" rows ${i} sdpa median_ms)
+      string(JSON samples LENGTH "${json}" rows ${i} sdpa samples_ms)
+      # fwd-bwd compares output, grad input and the four parameter grads.
+      set(want_compared 1)
+      if(mode STREQUAL "fwd-bwd")
+        set(want_compared 6)
+      endif()
+      if(NOT sdpa_status STREQUAL "ok" OR NOT sdpa_passed OR
+         NOT sdpa_compared EQUAL want_compared OR NOT samples EQUAL 3 OR
+         NOT median_sdpa GREATER 0)
+        message(FATAL_ERROR "${where}: sdpa ${sdpa_status}, check passed "
+                "${sdpa_passed} over ${sdpa_compared} tensors, ${samples} "
+                "samples, median ${median_sdpa}")
+      endif()
+      if(median_mha GREATER median_sdpa AND NOT sdpa_ratio GREATER 1 OR
+         median_mha LESS median_sdpa AND NOT sdpa_ratio LESS 1)
+        message(FATAL_ERROR "${where}: sdpa_ratio ${sdpa_ratio} for mha "
+                "${median_mha} ms, sdpa ${median_sdpa} ms")
+      endif()
+    endif()
     math(EXPR i "${i} + 1")
   endforeach()
 endforeach()
@@ -145,8 +201,14 @@ expect_exit(0 --quick --memory fork --config 1,32,16,2 --mode inference
 file(READ ${WORK_DIR}/fork.json json)
 string(JSON method GET "${json}" settings memory_method)
 string(JSON peak GET "${json}" rows 0 torch_nn peak_mib)
-if(NOT method STREQUAL "fork" OR NOT peak GREATER_EQUAL 0)
-  message(FATAL_ERROR "--memory fork: method ${method}, peak ${peak}")
+string(JSON sdpa_peak GET "${json}" rows 0 sdpa peak_mib)
+string(JSON sdpa_peak_type TYPE "${json}" rows 0 sdpa peak_mib)
+if(NOT method STREQUAL "fork" OR NOT peak GREATER_EQUAL 0 OR
+   sdpa_available AND NOT sdpa_peak GREATER_EQUAL 0 OR
+   NOT sdpa_available AND NOT sdpa_peak_type STREQUAL "NULL")
+  message(FATAL_ERROR "--memory fork: method ${method}, peak ${peak}, sdpa "
+          "peak ${sdpa_peak}")
 endif()
 message(STATUS "mha-bench: exit codes ok, ${row_count} rows in JSON, "
-        "GEMM ${gemm} GFLOP/s")
+        "GEMM ${gemm} GFLOP/s, LibTorch ${libtorch} (SDPA contender: "
+        "${sdpa_available})")

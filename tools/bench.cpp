@@ -1,6 +1,7 @@
-// mha-bench's measuring: the two contenders of a row built on the same
-// weights and inputs, their results compared, the timed repetitions and peak
-// memory (in process or in a child), and the GEMM, sliding-window and
+// mha-bench's measuring: the contenders of a row (mha, torch::nn, and
+// projections+SDPA from bench_sdpa.cpp) built on the same weights and
+// inputs, their results compared with torch::nn's, the timed repetitions and
+// peak memory (in process or in a child), and the GEMM, sliding-window and
 // generation measurements. Formatting is in bench_report.cpp.
 //
 // Glossary: N batch, L sequence length (S = L), E embed_dim, H num_heads,
@@ -21,6 +22,7 @@
 #include <utility>
 
 #include "attention_core.h"
+#include "bench_sdpa.h"
 #include "mha/mha.h"
 #include "mha/parity.h"
 #include "mha/train.h"
@@ -29,13 +31,10 @@ namespace mha::bench {
 
 namespace {
 
-/// Named result tensors of one run: output, weights, gradients.
-using Named = std::vector<std::pair<std::string, torch::Tensor>>;
-using Run = std::function<Named()>;
-
 struct Contenders {
   Run mha;
   Run torch_nn;
+  SdpaContender sdpa;  ///< projections + at::scaled_dot_product_attention
 };
 
 void synchronize(const torch::Device& device) {
@@ -52,28 +51,6 @@ double time_once(const Run& run, const torch::Device& device) {
   synchronize(device);
   const auto stop = std::chrono::steady_clock::now();
   return std::chrono::duration<double, std::milli>(stop - start).count();
-}
-
-/// Clears the gradients of `module`'s parameters and of `input` (set to
-/// undefined, so no accumulation work or memory carries over between runs).
-void clear_grads(torch::nn::Module& module, torch::Tensor& input) {
-  for (auto& p : module.parameters()) {
-    p.mutable_grad() = torch::Tensor();
-  }
-  input.mutable_grad() = torch::Tensor();
-}
-
-/// The results of a forward+backward run: output, input and parameter grads.
-Named backward_results(const torch::nn::Module& module,
-                       const torch::Tensor& output,
-                       const torch::Tensor& input) {
-  Named results{{"output", output.detach()}, {"grad input", input.grad()}};
-  for (const auto& p : module.named_parameters()) {
-    if (p.value().grad().defined()) {
-      results.emplace_back("grad " + p.key(), p.value().grad());
-    }
-  }
-  return results;
 }
 
 /// Random biases (torch::nn initialises them to zero, which would hide a
@@ -135,6 +112,7 @@ Contenders make_encoder(const Shape& s, const torch::Tensor& x,
     torch::NoGradGuard no_grad;
     return Named{{"output", ref->forward(x)}};  // (L, N, E)
   };
+  c.sdpa = make_sdpa_encoder(ref, x, settings.plant_fault);
   return c;
 }
 
@@ -154,6 +132,12 @@ Contenders make_contenders(const Shape& s, Mode mode,
   prepare_pair(ref, ours, settings);
 
   Contenders c;
+  // fwd-bwd's fixed upstream gradient, drawn after x for every contender.
+  torch::Tensor grad_out;
+  if (mode == Mode::kForwardBackward) {
+    grad_out = torch::randn({L, N, E}, options);  // (L, N, E)
+  }
+  c.sdpa = make_sdpa_attention(ref, x, grad_out, mode, settings.plant_fault);
   switch (mode) {
     case Mode::kForward:
     case Mode::kForwardWeights:
@@ -203,7 +187,6 @@ Contenders make_contenders(const Shape& s, Mode mode,
       return c;
     }
     case Mode::kForwardBackward: {
-      auto grad_out = torch::randn({L, N, E}, options);  // (L, N, E)
       // Each contender its own leaf with the same values.
       auto x_mha = x.clone().requires_grad_(true);
       auto x_ref = x.clone().requires_grad_(true);
@@ -455,59 +438,87 @@ RowResult run_row(const Shape& shape, Mode mode, const Settings& settings) {
   row.warmup = std::max(settings.warmup, 1);
   auto& A = row.mha;
   auto& B = row.torch_nn;
+  auto& C = row.sdpa;
 
   Contenders c;
   if (!attempt(A, [&] { c = make_contenders(shape, mode, settings); })) {
-    B.status = A.status;
-    B.error = A.error;
+    B.status = C.status = A.status;
+    B.error = C.error = A.error;
     return row;
   }
+  if (!c.sdpa.run) {
+    C.status = "n/a";
+    C.error = c.sdpa.unavailable;
+  }
+  /// One contender through the row: its result, its run, the ms of its
+  /// latest untimed run, its timed samples.
+  struct Entry {
+    ContenderResult* result;
+    const Run* run;
+    const char* name;  ///< as --memory-child spells it
+    double last_ms = 0;
+    std::vector<double> samples;
+  };
+  std::vector<Entry> entries = {{&A, &c.mha, "mha", 0, {}},
+                                {&B, &c.torch_nn, "torch_nn", 0, {}},
+                                {&C, &c.sdpa.run, "sdpa", 0, {}}};
 
   // 1. First run of each (untimed): peak memory, and the results, compared
-  // before anything is timed.
-  double last_a = 0, last_b = 0;  // ms of the latest untimed run
+  // with torch::nn's before anything is timed.
   {
-    Named out_a, out_b;
-    auto first_run = [&](ContenderResult& r, const Run& run, Named& out,
-                         double& ms) {
-      attempt(r, [&] {
+    std::vector<Named> first(entries.size());
+    for (size_t i = 0; i < entries.size(); ++i) {
+      auto& e = entries[i];
+      if (!ok(*e.result)) {
+        continue;
+      }
+      attempt(*e.result, [&] {
         int64_t kib = -1;
         const Run keep = [&] {
-          out = run();
+          first[i] = (*e.run)();
           return Named{};
         };
         if (settings.memory == MemoryMethod::kClearRefs) {
-          ms = measure_in_process(keep, settings.device, kib);
-          r.peak_mib = static_cast<double>(kib) / 1024.0;
+          e.last_ms = measure_in_process(keep, settings.device, kib);
+          e.result->peak_mib = static_cast<double>(kib) / 1024.0;
         } else {
-          ms = time_once(keep, settings.device);
+          e.last_ms = time_once(keep, settings.device);
         }
       });
-    };
-    first_run(A, c.mha, out_a, last_a);
-    if (ok(A)) {
-      row.path = mha::detail::to_string(mha::detail::last_attention_path());
+      if (e.result == &A && ok(A)) {
+        row.path = mha::detail::to_string(mha::detail::last_attention_path());
+      }
     }
-    first_run(B, c.torch_nn, out_b, last_b);
+    if (ok(B) && ok(C)) {
+      row.sdpa_check = check_results(first[2], first[1], settings.dtype);
+      if (!row.sdpa_check.passed) {
+        C.status = "skipped";
+        C.error = "results differ from torch::nn's; not timed";
+        C.peak_mib = std::nullopt;
+      }
+    }
     if (ok(A) && ok(B)) {
-      row.check = check_results(out_a, out_b, settings.dtype);
+      row.check = check_results(first[0], first[1], settings.dtype);
       if (!row.check.passed) {
-        A.status = B.status = "skipped";
-        A.error = B.error = "results differ; not timed";
-        A.peak_mib = B.peak_mib = std::nullopt;
+        for (auto* r : {&A, &B, &C}) {
+          if (ok(*r)) {
+            r->status = "skipped";
+            r->error = "results differ; not timed";
+            r->peak_mib = std::nullopt;
+          }
+        }
         row.warmup = 1;
         return row;
       }
     }
   }
   if (settings.memory == MemoryMethod::kFork) {
-    for (auto [r, contender] :
-         {std::pair{&A, "mha"}, std::pair{&B, "torch_nn"}}) {
-      if (ok(*r)) {
-        attempt(*r, [&] {
-          r->peak_mib = static_cast<double>(measure_in_child(
-                            shape, mode, contender, settings)) /
-                        1024.0;
+    for (auto& e : entries) {
+      if (ok(*e.result)) {
+        attempt(*e.result, [&] {
+          e.result->peak_mib = static_cast<double>(measure_in_child(
+                                   shape, mode, e.name, settings)) /
+                               1024.0;
         });
       }
     }
@@ -515,45 +526,47 @@ RowResult run_row(const Shape& shape, Mode mode, const Settings& settings) {
 
   // 2. Further warm-ups, interleaved.
   for (int i = 1; i < settings.warmup; ++i) {
-    if (ok(A)) {
-      attempt(A, [&] { last_a = time_once(c.mha, settings.device); });
-    }
-    if (ok(B)) {
-      attempt(B, [&] { last_b = time_once(c.torch_nn, settings.device); });
+    for (auto& e : entries) {
+      if (ok(*e.result)) {
+        attempt(*e.result,
+                [&] { e.last_ms = time_once(*e.run, settings.device); });
+      }
     }
   }
 
-  // 3. Timed repetitions A B A B ...
+  // 3. Timed repetitions A B C A B C ...
   int reps = settings.reps;
   if (reps <= 0) {
-    const double pair_ms = (ok(A) ? last_a : 0) + (ok(B) ? last_b : 0);
-    const double fit = settings.budget_s * 1000.0 / std::max(pair_ms, 1e-3);
+    double round_ms = 0;
+    for (const auto& e : entries) {
+      round_ms += ok(*e.result) ? e.last_ms : 0;
+    }
+    const double fit = settings.budget_s * 1000.0 / std::max(round_ms, 1e-3);
     reps = static_cast<int>(std::clamp(std::floor(fit),
                                        static_cast<double>(settings.min_reps),
                                        static_cast<double>(settings.max_reps)));
   }
   row.reps = reps;
-  std::vector<double> samples_a, samples_b;
   for (int i = 0; i < reps; ++i) {
-    if (ok(A)) {
-      attempt(A,
-              [&] { samples_a.push_back(time_once(c.mha, settings.device)); });
-    }
-    if (ok(B)) {
-      attempt(B, [&] {
-        samples_b.push_back(time_once(c.torch_nn, settings.device));
-      });
+    for (auto& e : entries) {
+      if (ok(*e.result)) {
+        attempt(*e.result, [&] {
+          e.samples.push_back(time_once(*e.run, settings.device));
+        });
+      }
     }
   }
-  for (auto [r, samples] :
-       {std::pair{&A, &samples_a}, std::pair{&B, &samples_b}}) {
-    if (ok(*r) && !samples->empty()) {
-      r->time_ms = summarize(*samples);
-      r->gflops = row.flops / (r->time_ms.median * 1e-3) / 1e9;
+  for (auto& e : entries) {
+    if (ok(*e.result) && !e.samples.empty()) {
+      e.result->time_ms = summarize(e.samples);
+      e.result->gflops = row.flops / (e.result->time_ms.median * 1e-3) / 1e9;
     }
   }
   if (ok(A) && ok(B)) {
     row.ratio = A.time_ms.median / B.time_ms.median;
+  }
+  if (ok(A) && ok(C)) {
+    row.sdpa_ratio = A.time_ms.median / C.time_ms.median;
   }
   // Below 1 MiB the peaks are a few pages: their ratio would be noise.
   if (A.peak_mib && B.peak_mib && *B.peak_mib >= 1.0) {
@@ -564,11 +577,16 @@ RowResult run_row(const Shape& shape, Mode mode, const Settings& settings) {
 
 int64_t child_peak_kib(const Shape& shape, Mode mode,
                        const std::string& contender, const Settings& settings) {
-  TORCH_CHECK(contender == "mha" || contender == "torch_nn",
-              "--memory-child: contender must be mha or torch_nn, got ",
-              contender);
+  TORCH_CHECK(
+      contender == "mha" || contender == "torch_nn" || contender == "sdpa",
+      "--memory-child: contender must be mha, torch_nn or sdpa, got ",
+      contender);
   auto c = make_contenders(shape, mode, settings);
-  const Run& run = contender == "mha" ? c.mha : c.torch_nn;
+  const Run& run = contender == "mha"        ? c.mha
+                   : contender == "torch_nn" ? c.torch_nn
+                                             : c.sdpa.run;
+  TORCH_CHECK(static_cast<bool>(run), "--memory-child: the sdpa contender ",
+              "cannot run here: ", c.sdpa.unavailable);
   malloc_trim(0);
   const int64_t before = proc_status_kib("VmRSS");
   time_once(run, settings.device);

@@ -1,5 +1,6 @@
-// The measuring part of mha-bench: mha and torch::nn on the same weights and
-// inputs, checked against each other once, then timed in interleaved
+// The measuring part of mha-bench: mha, torch::nn and (LibTorch >= 2.0)
+// projections + at::scaled_dot_product_attention on the same weights and
+// inputs, each checked against torch::nn once, then timed in interleaved
 // repetitions, with peak memory and dense FLOP counts (bench.cpp, and
 // bench_defs.cpp for shapes, modes, FLOPs and statistics). bench_tool.h is
 // the command line and the report around it.
@@ -110,22 +111,28 @@ struct Settings {
   /// kFork: the command line of a child that measures one contender; the
   /// child arguments (`--memory-child N,L,E,H:MODE:CONTENDER`) are appended.
   std::vector<std::string> child_command;
-  /// Self-test: shifts one bias element of mha's copy: every check fails.
+  /// Self-test: shifts one bias element of mha's copy and of the SDPA
+  /// contender's: every check fails.
   bool plant_fault = false;
 };
 
 /// One contender's outcome in a row.
 struct ContenderResult {
   /// "ok", "OOM" (ran out of memory; the row goes on without it),
-  /// "error" (threw something else), or "skipped" (the check failed).
+  /// "error" (threw something else), "skipped" (the check failed), or
+  /// "n/a" (this contender cannot run the row: the SDPA one below LibTorch
+  /// 2.0 or where weights are asked for).
   std::string status = "ok";
-  std::string error;               ///< the exception text for "OOM" / "error"
+  /// The exception text for "OOM" / "error", the reason for "skipped" and
+  /// "n/a" (e.g. "LibTorch < 2.0").
+  std::string error;
   Stats time_ms;                   ///< empty samples unless status is "ok"
   double gflops = 0;               ///< dense_flops / median time
   std::optional<double> peak_mib;  ///< above the RSS before the run
 };
 
-/// The comparison of mha's results with torch::nn's, before timing.
+/// The comparison of a contender's results (mha's, or the SDPA one's) with
+/// torch::nn's, before timing.
 struct Check {
   bool done = false;    ///< false when a contender could not run
   bool passed = false;  ///< every tensor within tolerance
@@ -152,19 +159,28 @@ struct RowResult {
   std::string path = "-";
   ContenderResult torch_nn;
   std::optional<double> ratio;  ///< mha median / torch::nn median
+  /// The third contender (LibTorch >= 2.0): torch::nn's weights through the
+  /// packed in-projection, at::scaled_dot_product_attention (is_causal in
+  /// causal rows) and out_proj; in encoder rows inside torch::nn's layer.
+  /// "n/a" in fwd-weights rows (SDPA returns no weights).
+  ContenderResult sdpa;
+  Check sdpa_check;                  ///< its results against torch::nn's
+  std::optional<double> sdpa_ratio;  ///< mha median / sdpa median
   /// mha peak / torch::nn peak, when torch::nn's is at least 1 MiB.
   std::optional<double> memory_ratio;
 };
 
-/// Builds both contenders (same seed, weights copied from torch::nn to mha),
-/// runs each once (untimed) measuring peak memory, compares the results
-/// (a row that differs is not timed), then times A B A B ...
+/// Builds the contenders (same seed, weights copied from torch::nn to mha
+/// and to the SDPA contender), runs each once (untimed) measuring peak
+/// memory, compares mha's and the SDPA contender's results with torch::nn's
+/// (a row where mha differs is not timed; an SDPA contender that differs is
+/// not timed), then times A B C A B C ...
 /// Never throws for a contender's failure (recorded in the result).
 RowResult run_row(const Shape& shape, Mode mode, const Settings& settings);
 
 /// The child side of MemoryMethod::kFork: builds the row as run_row does,
-/// runs `contender` ("mha" or "torch_nn") once and returns the peak in KiB
-/// above the RSS before the run.
+/// runs `contender` ("mha", "torch_nn" or "sdpa") once and returns the peak in
+/// KiB above the RSS before the run.
 int64_t child_peak_kib(const Shape& shape, Mode mode,
                        const std::string& contender, const Settings& settings);
 
@@ -208,6 +224,10 @@ struct Generation {
 };
 Generation measure_generation(int64_t prompt, int64_t new_tokens, int reps,
                               uint64_t seed);
+
+/// True when mha-bench was built against LibTorch >= 2.0, whose public
+/// at::scaled_dot_product_attention the projections+SDPA contender calls.
+bool sdpa_available();
 
 /// True when `e` says an allocation failed (CPU or CUDA).
 bool is_out_of_memory(const std::exception& e);

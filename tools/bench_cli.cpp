@@ -88,7 +88,8 @@ void add_options(CLI::App& app, Args& args) {
       ->check(CLI::IsMember({"window", "generation", "none"}));
   app.add_option("--memory-child", args.memory_child_spec)->group("");
   app.add_flag("--plant-fault", args.plant_fault,
-               "self-test: shift one bias of mha's copy (checks FAIL)")
+               "self-test: shift one bias of mha's and the SDPA contender's "
+               "copies (checks FAIL)")
       ->group("");
 }
 

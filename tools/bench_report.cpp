@@ -23,8 +23,8 @@ namespace {
 /// One table row (a constant: fmt checks format strings at compile time
 /// in C++20).
 constexpr char kRowFormat[] =
-    "{:<16} {:<12} {:>4} {:>26} {:>26} {:>6} {:>8} {:>8} {:>9} {:>9} {:>6}  "
-    "{:<8} {}\n";
+    "{:<16} {:<12} {:>4} {:>26} {:>26} {:>6} {:>29} {:>8} {:>8} {:>8} {:>9} "
+    "{:>9} {:>6}  {:<8} {}\n";
 
 std::string format_ms(double ms) {
   if (ms < 10) {
@@ -36,8 +36,12 @@ std::string format_ms(double ms) {
   return fmt::format("{:.0f}", ms);
 }
 
-/// "12.345 [12.001-13.2]", or the status when the contender did not run.
+/// "12.345 [12.001-13.2]", or the status when the contender did not run
+/// ("n/a (LibTorch < 2.0)": with the reason when it cannot run).
 std::string format_time(const ContenderResult& r) {
+  if (r.status == "n/a") {
+    return fmt::format("n/a ({})", r.error);
+  }
   if (r.status != "ok") {
     return r.status;
   }
@@ -71,11 +75,27 @@ std::string format_check(const Check& c) {
   return fmt::format("FAIL {} {:.1e}", c.worst, c.max_rel);
 }
 
+/// mha's check, then the SDPA contender's where it was compared.
+std::string format_checks(const RowResult& row) {
+  std::string text = format_check(row.check);
+  if (row.sdpa_check.done) {
+    text += ", sdpa " + format_check(row.sdpa_check);
+  }
+  return text;
+}
+
+nlohmann::json to_json(const Check& c) {
+  return {{"done", c.done},       {"passed", c.passed},
+          {"max_abs", c.max_abs}, {"max_rel", c.max_rel},
+          {"worst", c.worst},     {"compared", c.compared},
+          {"atol", c.atol},       {"rtol", c.rtol}};
+}
+
 nlohmann::json to_json(const ContenderResult& r) {
   nlohmann::json j;
   j["status"] = r.status;
   if (!r.error.empty()) {
-    j["error"] = r.error;
+    j[r.status == "n/a" ? "reason" : "error"] = r.error;
   }
   if (r.status == "ok") {
     const auto& t = r.time_ms;
@@ -106,17 +126,16 @@ nlohmann::json to_json(const RowResult& row) {
   j["flops"] = static_cast<int64_t>(row.flops);
   j["warmup"] = row.warmup;
   j["reps"] = row.reps;
-  const auto& c = row.check;
-  j["check"] = {{"done", c.done},       {"passed", c.passed},
-                {"max_abs", c.max_abs}, {"max_rel", c.max_rel},
-                {"worst", c.worst},     {"compared", c.compared},
-                {"atol", c.atol},       {"rtol", c.rtol}};
+  j["check"] = to_json(row.check);
   j["mha"] = to_json(row.mha);
   j["mha"]["path"] = row.path;
   j["torch_nn"] = to_json(row.torch_nn);
   j["ratio"] = row.ratio ? nlohmann::json(*row.ratio) : nullptr;
   j["memory_ratio"] =
       row.memory_ratio ? nlohmann::json(*row.memory_ratio) : nullptr;
+  j["sdpa"] = to_json(row.sdpa);
+  j["sdpa"]["check"] = to_json(row.sdpa_check);
+  j["sdpa_ratio"] = row.sdpa_ratio ? nlohmann::json(*row.sdpa_ratio) : nullptr;
   return j;
 }
 
@@ -232,8 +251,8 @@ Environment read_environment(const Settings& settings,
 void print_environment(Environment& env, const Args& args,
                        const Settings& settings) {
   fmt::print(
-      "mha-bench: mha vs torch::nn, same weights and inputs, one "
-      "process\n");
+      "mha-bench: mha vs torch::nn and vs projections+SDPA, same weights and "
+      "inputs, one process\n");
   fmt::print("CPU:       {}, {} online, {} usable by this process\n", env.cpu,
              env.online, env.usable);
   fmt::print(
@@ -265,19 +284,27 @@ void print_environment(Environment& env, const Args& args,
       "{:.1f} ms): the ceiling\n",
       env.gemm.n, args.dtype_name, env.gemm.gflops, env.gemm.reps,
       env.gemm.median_ms);
+  fmt::print("SDPA:      {}\n", sdpa_available()
+                                    ? "in-projection -> "
+                                      "at::scaled_dot_product_attention -> "
+                                      "out_proj on torch::nn's weights"
+                                    : "n/a (LibTorch < 2.0: no "
+                                      "at::scaled_dot_product_attention)");
   fmt::print("Memory:    {}\n", env.memory_text);
   fmt::print(
       "Runs:      per row {} untimed per contender (the first measures peak "
       "memory and its results are compared), then {},\n           "
-      "interleaved mha, torch::nn, mha, torch::nn, ... (after a discarded "
+      "interleaved mha, torch::nn, sdpa, mha, ... (after a discarded "
       "warm-up of each mode at (1,8,8,2))\n\n",
       std::max(args.warmup, 1), env.reps_text);
 
-  fmt::print(kRowFormat, "", "", "", "mha ms", "torch::nn ms", "ratio", "mha",
-             "nn", "mha peak", "nn peak", "mem", "mha", "");
+  fmt::print(kRowFormat, "", "", "", "mha ms", "torch::nn ms", "ratio",
+             "projections+SDPA ms", "ratio", "mha", "nn", "mha peak", "nn peak",
+             "mem", "mha", "");
   fmt::print(kRowFormat, "config N,L,E,H", "mode", "reps", "median [min-max]",
-             "median [min-max]", "mha/nn", "GFLOP/s", "GFLOP/s", "MiB", "MiB",
-             "mha/nn", "path", "check (max rel err)");
+             "median [min-max]", "mha/nn", "median [min-max]", "mha/sdpa",
+             "GFLOP/s", "GFLOP/s", "MiB", "MiB", "mha/nn", "path",
+             "check (max rel err vs torch::nn)");
   std::fflush(stdout);
 }
 
@@ -294,14 +321,17 @@ void warm_up(const std::vector<Mode>& modes, const Settings& settings) {
 void print_row(const RowResult& row, MemoryMethod memory) {
   fmt::print(kRowFormat, to_string(row.shape), name(row.mode), row.reps,
              format_time(row.mha), format_time(row.torch_nn),
-             format_optional(row.ratio), format_gflops(row.mha),
+             format_optional(row.ratio), format_time(row.sdpa),
+             format_optional(row.sdpa_ratio), format_gflops(row.mha),
              format_gflops(row.torch_nn), format_memory(row.mha, memory),
              format_memory(row.torch_nn, memory),
-             format_optional(row.memory_ratio), row.path,
-             format_check(row.check));
-  for (const auto* r : {&row.mha, &row.torch_nn}) {
+             format_optional(row.memory_ratio), row.path, format_checks(row));
+  for (const auto* r : {&row.mha, &row.torch_nn, &row.sdpa}) {
     if (r->status == "error" || r->status == "OOM") {
-      fmt::print("  {} {}: {}\n", r == &row.mha ? "mha" : "torch::nn",
+      fmt::print("  {} {}: {}\n",
+                 r == &row.mha        ? "mha"
+                 : r == &row.torch_nn ? "torch::nn"
+                                      : "projections+SDPA",
                  r->status, r->error);
     }
   }
@@ -331,7 +361,8 @@ Summary summarize_rows(const std::vector<RowResult>& rows,
   s.rows = static_cast<int>(rows.size());
   for (const auto& row : rows) {
     s.wrong += row.check.done && !row.check.passed ? 1 : 0;
-    for (const auto* r : {&row.mha, &row.torch_nn}) {
+    s.wrong += row.sdpa_check.done && !row.sdpa_check.passed ? 1 : 0;
+    for (const auto* r : {&row.mha, &row.torch_nn, &row.sdpa}) {
       s.errors += r->status == "error" ? 1 : 0;
       s.oom += r->status == "OOM" ? 1 : 0;
     }
@@ -341,9 +372,17 @@ Summary summarize_rows(const std::vector<RowResult>& rows,
       s.ratios[name(row.mode)].push_back(*row.ratio);
       s.all_ratios.push_back(*row.ratio);
     }
+    if (row.sdpa_ratio) {
+      s.sdpa_faster += *row.sdpa_ratio < 1 ? 1 : 0;
+      s.sdpa_ratios[name(row.mode)].push_back(*row.sdpa_ratio);
+      s.all_sdpa_ratios.push_back(*row.sdpa_ratio);
+    }
   }
   if (!s.all_ratios.empty()) {
     s.geomean_ratio = geometric_mean(s.all_ratios);
+  }
+  if (!s.all_sdpa_ratios.empty()) {
+    s.sdpa_geomean_ratio = geometric_mean(s.all_sdpa_ratios);
   }
   s.exit_code = s.wrong > 0 || s.errors > 0 || generation_differs ? 1 : 0;
   return s;
@@ -356,22 +395,38 @@ void print_footer(const Summary& summary, const std::vector<Mode>& modes,
       "peak / torch::nn peak.\nGFLOP/s from the dense count per forward: "
       "8*N*L*E^2 (projections) + 4*N*L*S*E (attention), + 4*N*L*E*F for "
       "the encoder layer (F = 4E);\nx3 for fwd-bwd; causal rows count the "
-      "full L*S. Both contenders get the same seq-first input (L, N, E); "
-      "modules in eval().\n");
-  std::string per_mode;
-  for (auto mode : modes) {
-    const auto it = summary.ratios.find(name(mode));
-    if (it != summary.ratios.end()) {
-      per_mode += fmt::format("{}{} {:.2f}", per_mode.empty() ? "" : ", ",
-                              it->first, geometric_mean(it->second));
+      "full L*S. Every contender gets the same seq-first input (L, N, E); "
+      "modules in eval().\nprojections+SDPA (LibTorch >= 2.0): torch::nn's "
+      "weights through in_proj, at::scaled_dot_product_attention "
+      "(is_causal=true in causal rows) and out_proj, as a LibTorch 2.x user "
+      "writes it;\nmha/sdpa = mha median / its median; it returns no "
+      "weights (n/a in fwd-weights rows) and is checked against torch::nn "
+      "too.\n");
+  auto per_mode = [&](const std::map<std::string, std::vector<double>>& by) {
+    std::string text;
+    for (auto mode : modes) {
+      const auto it = by.find(name(mode));
+      if (it != by.end()) {
+        text += fmt::format("{}{} {:.2f}", text.empty() ? "" : ", ", it->first,
+                            geometric_mean(it->second));
+      }
     }
-  }
+    return text;
+  };
   if (summary.geomean_ratio) {
     fmt::print(
-        "geometric mean ratio: {:.2f} over {} rows ({}); mha faster "
+        "geometric mean ratio mha/nn: {:.2f} over {} rows ({}); mha faster "
         "in {} of {}\n",
-        *summary.geomean_ratio, summary.all_ratios.size(), per_mode,
-        summary.faster, summary.compared);
+        *summary.geomean_ratio, summary.all_ratios.size(),
+        per_mode(summary.ratios), summary.faster, summary.compared);
+  }
+  if (summary.sdpa_geomean_ratio) {
+    fmt::print(
+        "geometric mean ratio mha/sdpa: {:.2f} over {} rows ({}); mha faster "
+        "in {} of {}\n",
+        *summary.sdpa_geomean_ratio, summary.all_sdpa_ratios.size(),
+        per_mode(summary.sdpa_ratios), summary.sdpa_faster,
+        summary.all_sdpa_ratios.size());
   }
   fmt::print(
       "{} rows; results differ: {}; errors: {}; out of memory: {}; "
@@ -380,8 +435,8 @@ void print_footer(const Summary& summary, const std::vector<Mode>& modes,
   if (summary.exit_code != 0) {
     fmt::print("FAILED: {}\n",
                summary.wrong > 0
-                   ? "mha's results differ from torch::nn's (rows "
-                     "marked FAIL were not timed)"
+                   ? "results differ from torch::nn's (a FAIL of mha: "
+                     "the row was not timed; of sdpa: sdpa was not timed)"
                : summary.errors > 0
                    ? "a contender threw an error"
                    : "generation through the KV cache gave other characters");
@@ -413,6 +468,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
       {"environment_set_by_mha_bench", env.runtime_note},
       {"omp_num_threads_env", env.omp_threads},
       {"openblas_num_threads_env", env.blas_threads_env},
+      {"sdpa_available", sdpa_available()},
       {"gemm",
        {{"n", env.gemm.n},
         {"reps", env.gemm.reps},
@@ -448,6 +504,11 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
       {"geomean_ratio", summary.geomean_ratio
                             ? nlohmann::json(*summary.geomean_ratio)
                             : nlohmann::json(nullptr)},
+      {"sdpa_compared_rows", summary.all_sdpa_ratios.size()},
+      {"mha_faster_than_sdpa_rows", summary.sdpa_faster},
+      {"sdpa_geomean_ratio", summary.sdpa_geomean_ratio
+                                 ? nlohmann::json(*summary.sdpa_geomean_ratio)
+                                 : nlohmann::json(nullptr)},
       {"elapsed_s", elapsed_s},
       {"exit_code", summary.exit_code}};
   return doc;

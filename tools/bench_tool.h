@@ -99,7 +99,14 @@ struct Summary {
   std::map<std::string, std::vector<double>> ratios;  ///< by mode name
   std::vector<double> all_ratios;
   std::optional<double> geomean_ratio;  ///< over all_ratios
-  int exit_code = 0;  ///< 1: results differ, an error, or generation differs
+  /// The same for mha / projections+SDPA (rows where both ran).
+  int sdpa_faster = 0;
+  std::map<std::string, std::vector<double>> sdpa_ratios;
+  std::vector<double> all_sdpa_ratios;
+  std::optional<double> sdpa_geomean_ratio;
+  /// 1: results differ (mha's or the SDPA contender's from torch::nn's), an
+  /// error, or generation differs.
+  int exit_code = 0;
 };
 Summary summarize_rows(const std::vector<RowResult>& rows,
                        bool generation_differs);
