@@ -176,6 +176,59 @@ Parts run_torch_nn_transformer(const Case& c,
   return parts;
 }
 
+/// A layer case's result before judging: name, tolerance, what it compares.
+CaseResult new_result(const Case& c) {
+  CaseResult result;
+  result.name = c.name;
+  result.tolerance = tolerance_for(c.dtype);
+  result.compared = "out+grads";
+  return result;
+}
+
+/// float64 leaf copies of the parameters of `module`, by name.
+std::map<std::string, torch::Tensor> float64_parameters(
+    torch::nn::Module& module) {
+  std::map<std::string, torch::Tensor> params64;
+  for (const auto& p : module.named_parameters()) {
+    params64[p.key()] = leaf(p.value(), torch::kFloat64);
+  }
+  return params64;
+}
+
+/// Appends "grad <name>" of every parameter of `ours` to `mine` and of its
+/// float64 copy in `params64` to `f64`.
+void add_parameter_grads(torch::nn::Module& ours,
+                         const std::map<std::string, torch::Tensor>& params64,
+                         Parts& mine, Parts& f64) {
+  for (const auto& p : ours.named_parameters()) {
+    mine.push_back({"grad " + p.key(), p.value().grad()});
+    f64.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
+  }
+}
+
+/// Judges a layer case: against torch::nn's module (through `run_nn`, which
+/// returns its parts) where it has the case's options, else against the
+/// float64 reference alone, saying so ("float64 only: torch::nn's <what>
+/// has no <option>").
+template <typename RunNn>
+void judge_layer_case(const Case& c, bool fully_masked, bool padding,
+                      const Parts& mine, const Parts& f64, RunNn&& run_nn,
+                      const char* what, CaseResult& result) {
+  const std::string lacks = torch_nn_lacks(c);
+  Parts nn_parts;
+  std::string nn_threw, ref_diff;
+  if (lacks.empty()) {
+    ref_diff = reference_difference(c, c.embed_dim, c.embed_dim, fully_masked,
+                                    padding);
+    nn_parts = run_reference(run_nn, nn_threw, result);
+  }
+  judge(c, mine, f64, nn_parts, ref_diff, nn_threw, result);
+  if (!lacks.empty()) {
+    result.note =
+        std::string("float64 only: torch::nn's ") + what + " has no " + lacks;
+  }
+}
+
 }  // namespace
 
 CaseResult run_encoder_case(const Case& c, const torch::Device& device,
@@ -193,10 +246,7 @@ CaseResult run_encoder_case(const Case& c, const torch::Device& device,
   const auto dtype = c.dtype;
   torch::manual_seed(seed);
 
-  CaseResult result;
-  result.name = c.name;
-  result.tolerance = tolerance_for(dtype);
-  result.compared = "out+grads";
+  CaseResult result = new_result(c);
 
   auto options = TransformerEncoderLayerOptions(E, H)
                      .dim_feedforward(c.dim_feedforward)
@@ -237,10 +287,7 @@ CaseResult run_encoder_case(const Case& c, const torch::Device& device,
   (out * g_out).sum().backward();
 
   // --- float64 reference ---
-  std::map<std::string, torch::Tensor> params64;
-  for (const auto& p : pristine->named_parameters()) {
-    params64[p.key()] = leaf(p.value(), torch::kFloat64);
-  }
+  auto params64 = float64_parameters(*pristine);
   Inputs in64 = in;
   in64.query = in64.key = in64.value = leaf(in.query, torch::kFloat64);
   auto out64 = reference_encoder_layer(options, c.gelu, params64, in64);
@@ -248,27 +295,13 @@ CaseResult run_encoder_case(const Case& c, const torch::Device& device,
 
   Parts mine_parts = {{"output", out}, {"grad src", x.grad()}};
   Parts f64_parts = {{"output", out64}, {"grad src", in64.query.grad()}};
-  for (const auto& p : ours->named_parameters()) {
-    mine_parts.push_back({"grad " + p.key(), p.value().grad()});
-    f64_parts.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
-  }
+  add_parameter_grads(*ours, params64, mine_parts, f64_parts);
 
   // --- torch::nn::TransformerEncoderLayer, where it has the options ---
-  const std::string lacks = torch_nn_lacks(c);
-  Parts nn_parts;
-  std::string nn_threw, ref_diff;
-  if (lacks.empty()) {
-    ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
-    nn_parts = run_reference(
-        [&] {
-          return run_torch_nn_encoder(c, pristine, in, g_out, result.note);
-        },
-        nn_threw, result);
-  }
-  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
-  if (!lacks.empty()) {
-    result.note = "float64 only: torch::nn's layer has no " + lacks;
-  }
+  judge_layer_case(
+      c, fully_masked, kpm.defined(), mine_parts, f64_parts,
+      [&] { return run_torch_nn_encoder(c, pristine, in, g_out, result.note); },
+      "layer", result);
   return result;
 }
 
@@ -289,10 +322,7 @@ CaseResult run_decoder_case(const Case& c, const torch::Device& device,
   const auto dtype = c.dtype;
   torch::manual_seed(seed);
 
-  CaseResult result;
-  result.name = c.name;
-  result.tolerance = tolerance_for(dtype);
-  result.compared = "out+grads";
+  CaseResult result = new_result(c);
 
   auto options = TransformerDecoderLayerOptions(E, H)
                      .dim_feedforward(c.dim_feedforward)
@@ -338,10 +368,7 @@ CaseResult run_decoder_case(const Case& c, const torch::Device& device,
   (out * g_out).sum().backward();
 
   // --- float64 reference ---
-  std::map<std::string, torch::Tensor> params64;
-  for (const auto& p : pristine->named_parameters()) {
-    params64[p.key()] = leaf(p.value(), torch::kFloat64);
-  }
+  auto params64 = float64_parameters(*pristine);
   Inputs in64 = in;
   in64.query = leaf(in.query, torch::kFloat64);
   in64.key = in64.value = leaf(in.key, torch::kFloat64);
@@ -353,27 +380,13 @@ CaseResult run_decoder_case(const Case& c, const torch::Device& device,
   Parts f64_parts = {{"output", out64},
                      {"grad tgt", in64.query.grad()},
                      {"grad memory", in64.key.grad()}};
-  for (const auto& p : ours->named_parameters()) {
-    mine_parts.push_back({"grad " + p.key(), p.value().grad()});
-    f64_parts.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
-  }
+  add_parameter_grads(*ours, params64, mine_parts, f64_parts);
 
   // --- torch::nn::TransformerDecoderLayer, where it has the options ---
-  const std::string lacks = torch_nn_lacks(c);
-  Parts nn_parts;
-  std::string nn_threw, ref_diff;
-  if (lacks.empty()) {
-    ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
-    nn_parts = run_reference(
-        [&] {
-          return run_torch_nn_decoder(c, pristine, in, g_out, result.note);
-        },
-        nn_threw, result);
-  }
-  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
-  if (!lacks.empty()) {
-    result.note = "float64 only: torch::nn's layer has no " + lacks;
-  }
+  judge_layer_case(
+      c, fully_masked, kpm.defined(), mine_parts, f64_parts,
+      [&] { return run_torch_nn_decoder(c, pristine, in, g_out, result.note); },
+      "layer", result);
   return result;
 }
 
@@ -392,10 +405,7 @@ CaseResult run_transformer_case(const Case& c, const torch::Device& device,
   const auto dtype = c.dtype;
   torch::manual_seed(seed);
 
-  CaseResult result;
-  result.name = c.name;
-  result.tolerance = tolerance_for(dtype);
-  result.compared = "out+grads";
+  CaseResult result = new_result(c);
 
   auto options = TransformerOptions(E, H, 2, 2)
                      .dim_feedforward(c.dim_feedforward)
@@ -439,10 +449,7 @@ CaseResult run_transformer_case(const Case& c, const torch::Device& device,
   (out * g_out).sum().backward();
 
   // --- float64 reference ---
-  std::map<std::string, torch::Tensor> params64;
-  for (const auto& p : pristine->named_parameters()) {
-    params64[p.key()] = leaf(p.value(), torch::kFloat64);
-  }
+  auto params64 = float64_parameters(*pristine);
   Inputs in64 = in;
   in64.query = leaf(in.query, torch::kFloat64);
   in64.key = in64.value = leaf(in.key, torch::kFloat64);
@@ -454,27 +461,15 @@ CaseResult run_transformer_case(const Case& c, const torch::Device& device,
   Parts f64_parts = {{"output", out64},
                      {"grad tgt", in64.query.grad()},
                      {"grad src", in64.key.grad()}};
-  for (const auto& p : ours->named_parameters()) {
-    mine_parts.push_back({"grad " + p.key(), p.value().grad()});
-    f64_parts.push_back({"grad " + p.key(), params64.at(p.key()).grad()});
-  }
+  add_parameter_grads(*ours, params64, mine_parts, f64_parts);
 
   // --- torch::nn::Transformer, where it has the options ---
-  const std::string lacks = torch_nn_lacks(c);
-  Parts nn_parts;
-  std::string nn_threw, ref_diff;
-  if (lacks.empty()) {
-    ref_diff = reference_difference(c, E, E, fully_masked, kpm.defined());
-    nn_parts = run_reference(
-        [&] {
-          return run_torch_nn_transformer(c, pristine, in, g_out, result.note);
-        },
-        nn_threw, result);
-  }
-  judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
-  if (!lacks.empty()) {
-    result.note = "float64 only: torch::nn's Transformer has no " + lacks;
-  }
+  judge_layer_case(
+      c, fully_masked, kpm.defined(), mine_parts, f64_parts,
+      [&] {
+        return run_torch_nn_transformer(c, pristine, in, g_out, result.note);
+      },
+      "Transformer", result);
   return result;
 }
 
