@@ -143,21 +143,7 @@ void TransformerEncoderLayerImpl::reset() {
   const auto E = options.d_model();
   const auto H = options.nhead();
   const auto F = options.dim_feedforward();
-  TORCH_CHECK(E > 0, "TransformerEncoderLayer: d_model must be > 0, but got ",
-              E);
-  TORCH_CHECK(H > 0, "TransformerEncoderLayer: nhead must be > 0, but got ", H);
-  TORCH_CHECK(E % H == 0, "TransformerEncoderLayer: d_model (", E,
-              ") must be divisible by nhead (", H, ")");
-  TORCH_CHECK(F > 0,
-              "TransformerEncoderLayer: dim_feedforward must be > 0, but got ",
-              F);
-  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0,
-              "TransformerEncoderLayer: dropout must be in [0, 1), but got ",
-              options.dropout());
-  TORCH_CHECK(options.layer_norm_eps() > 0.0,
-              "TransformerEncoderLayer: layer_norm_eps must be > 0, but got ",
-              options.layer_norm_eps());
-  detail::check_activation(options.activation(), "TransformerEncoderLayer");
+  detail::check_layer_options(options, "TransformerEncoderLayer");
   const bool bias = options.bias();
   // Registration order as PyTorch's.
   self_attn = register_module(

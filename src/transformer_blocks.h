@@ -13,6 +13,27 @@ namespace mha::detail {
 void check_activation(const torch::nn::activation_t& activation,
                       const char* module);
 
+/// The checks of a layer's options (d_model > 0, nhead > 0 dividing it,
+/// dim_feedforward > 0, dropout in [0, 1), layer_norm_eps > 0, activation),
+/// each error naming `module` and the value.
+template <typename LayerOptions>
+void check_layer_options(const LayerOptions& options, const char* module) {
+  const auto E = options.d_model();
+  const auto H = options.nhead();
+  const auto F = options.dim_feedforward();
+  TORCH_CHECK(E > 0, module, ": d_model must be > 0, but got ", E);
+  TORCH_CHECK(H > 0, module, ": nhead must be > 0, but got ", H);
+  TORCH_CHECK(E % H == 0, module, ": d_model (", E,
+              ") must be divisible by nhead (", H, ")");
+  TORCH_CHECK(F > 0, module, ": dim_feedforward must be > 0, but got ", F);
+  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0, module,
+              ": dropout must be in [0, 1), but got ", options.dropout());
+  TORCH_CHECK(options.layer_norm_eps() > 0.0, module,
+              ": layer_norm_eps must be > 0, but got ",
+              options.layer_norm_eps());
+  check_activation(options.activation(), module);
+}
+
 /// "relu", "gelu" or "<callable>", for pretty_print.
 const char* activation_name(const torch::nn::activation_t& activation);
 

@@ -56,6 +56,19 @@ void check_memory(const char* module, const torch::Tensor& tgt,
       tgt.sizes(), " and memory ", memory.sizes());
 }
 
+/// The options of the Transformer's encoder or decoder layers.
+template <typename LayerOptions>
+LayerOptions layer_options(const TransformerOptions& o) {
+  return LayerOptions(o.d_model(), o.nhead())
+      .dim_feedforward(o.dim_feedforward())
+      .dropout(o.dropout())
+      .activation(o.activation())
+      .layer_norm_eps(o.layer_norm_eps())
+      .batch_first(o.batch_first())
+      .norm_first(o.norm_first())
+      .bias(o.bias());
+}
+
 }  // namespace
 
 // ----------------------------------------------- TransformerDecoderLayer ---
@@ -70,18 +83,7 @@ void TransformerDecoderLayerImpl::reset() {
   const auto E = options.d_model();
   const auto H = options.nhead();
   const auto F = options.dim_feedforward();
-  const char* module = "TransformerDecoderLayer";
-  TORCH_CHECK(E > 0, module, ": d_model must be > 0, but got ", E);
-  TORCH_CHECK(H > 0, module, ": nhead must be > 0, but got ", H);
-  TORCH_CHECK(E % H == 0, module, ": d_model (", E,
-              ") must be divisible by nhead (", H, ")");
-  TORCH_CHECK(F > 0, module, ": dim_feedforward must be > 0, but got ", F);
-  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0, module,
-              ": dropout must be in [0, 1), but got ", options.dropout());
-  TORCH_CHECK(options.layer_norm_eps() > 0.0, module,
-              ": layer_norm_eps must be > 0, but got ",
-              options.layer_norm_eps());
-  detail::check_activation(options.activation(), module);
+  detail::check_layer_options(options, "TransformerDecoderLayer");
   const bool bias = options.bias();
   const auto attention_options = MultiHeadAttentionOptions(E, H)
                                      .dropout(options.dropout())
@@ -336,14 +338,7 @@ void TransformerImpl::reset() {
     encoder = torch::nn::AnyModule(TransformerEncoder(
         TransformerEncoderOptions(
             TransformerEncoderLayer(
-                TransformerEncoderLayerOptions(E, options.nhead())
-                    .dim_feedforward(options.dim_feedforward())
-                    .dropout(options.dropout())
-                    .activation(options.activation())
-                    .layer_norm_eps(options.layer_norm_eps())
-                    .batch_first(options.batch_first())
-                    .norm_first(options.norm_first())
-                    .bias(options.bias())),
+                layer_options<TransformerEncoderLayerOptions>(options)),
             options.num_encoder_layers())
             .norm(torch::nn::AnyModule(LayerNorm(norm_options)))));
   }
@@ -353,14 +348,7 @@ void TransformerImpl::reset() {
     decoder = torch::nn::AnyModule(TransformerDecoder(
         TransformerDecoderOptions(
             TransformerDecoderLayer(
-                TransformerDecoderLayerOptions(E, options.nhead())
-                    .dim_feedforward(options.dim_feedforward())
-                    .dropout(options.dropout())
-                    .activation(options.activation())
-                    .layer_norm_eps(options.layer_norm_eps())
-                    .batch_first(options.batch_first())
-                    .norm_first(options.norm_first())
-                    .bias(options.bias())),
+                layer_options<TransformerDecoderLayerOptions>(options)),
             options.num_decoder_layers())
             .norm(torch::nn::AnyModule(LayerNorm(norm_options)))));
   }
