@@ -139,20 +139,20 @@ SdpaContender make_sdpa_attention(const torch::nn::MultiheadAttention& ref,
 
 SdpaContender make_sdpa_encoder(const torch::nn::TransformerEncoderLayer& ref,
                                 const torch::Tensor& x, bool plant_fault) {
-  TORCH_CHECK(ref->options.norm_first() == false,
-              "mha-bench: the SDPA encoder contender is post-norm only");
   ProjectedSdpa attention(ref->self_attn, plant_fault);
   attention->eval();
   SdpaContender c;
   // Post-norm, ReLU, dropout 0: PyTorch's TransformerEncoderLayer.forward
-  // with norm_first=False (torch/nn/modules/transformer.py).
-  c.run = [attention, ref, x]() mutable {
+  // with norm_first=False (torch/nn/modules/transformer.py). The holder is
+  // copied (same weights): a captured const reference cannot be called.
+  torch::nn::TransformerEncoderLayer layer = ref;
+  c.run = [attention, layer, x]() mutable {
     torch::NoGradGuard no_grad;
-    auto h = ref->norm1(x + attention->forward(x, /*is_causal=*/false));
+    auto h = layer->norm1(x + attention->forward(x, /*is_causal=*/false));
     // (L, N, E)
-    auto ff =
-        ref->linear2(torch::relu(ref->linear1(h)));  // (L, N, F) → (L, N, E)
-    return Named{{"output", ref->norm2(h + ff)}};    // (L, N, E)
+    auto ff = layer->linear2(torch::relu(layer->linear1(h)));
+    // (L, N, F) → (L, N, E)
+    return Named{{"output", layer->norm2(h + ff)}};  // (L, N, E)
   };
   return c;
 }
