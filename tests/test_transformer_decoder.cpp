@@ -592,7 +592,7 @@ TEST(TransformerTest, PythonDefaultsNamesAndStaticMask) {
       std::find(keys.begin(), keys.end(), "encoder.layers.1.norm1.weight"),
       keys.end());
   // xavier_uniform for every matrix: |w| <= sqrt(6 / (fan_in + fan_out)).
-  const auto& w = small->named_parameters()["decoder.layers.0.linear1.weight"];
+  const auto w = small->named_parameters()["decoder.layers.0.linear1.weight"];
   EXPECT_LE(w.abs().max().item<double>(), std::sqrt(6.0 / (8 + 16)));
   expect_close(mha::TransformerImpl::generate_square_subsequent_mask(3),
                mha::generate_square_subsequent_mask(3), 0.0, 0.0, "mask");
