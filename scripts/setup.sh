@@ -13,7 +13,7 @@ packages=(
   python3-torch         # Python PyTorch: the state-dict round-trip test
   libgloo-dev           # Gloo headers: c10d data-parallel training (mha-train --nproc)
   pkg-config            # the consumer test built with `pkg-config --cflags --libs mha`
-  dpkg-dev              # dpkg-shlibdeps for `cpack -G DEB`
+  dpkg-dev file         # dpkg-shlibdeps and file(1) for `cpack -G DEB`
   cmake g++ make ninja-build
 )
 
