@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "attention_core.h"
+#include "blas_threads.h"
 #include "mha/masks.h"
 
 namespace mha {
@@ -73,6 +74,7 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& value, const torch::Tensor& attn_mask,
     double dropout_p, bool is_causal, c10::optional<double> scale,
     bool need_weights) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   check_sdpa_inputs(query, key, value, dropout_p);
   const int64_t S = key.size(-2);
   const int64_t E = query.size(-1);

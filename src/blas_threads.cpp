@@ -4,8 +4,10 @@
 // that the tools set and print.
 #include "blas_threads.h"
 
+#include <ATen/Parallel.h>
 #include <dlfcn.h>
 
+#include <condition_variable>
 #include <mutex>
 
 namespace mha::detail {
@@ -46,9 +48,67 @@ struct OpenBlas {
   bool sequential() const { return found() && get_parallel() == 0; }
 };
 
-std::mutex users_mutex;
-int users = 0;          // live SingleThreadedBlas instances
-int saved_threads = 0;  // OpenBLAS's thread count before the first of them
+/// Which kind of scope holds BLAS now: mha's calls at BLAS's own thread
+/// count (BlasCallGuard) or single-threaded loops (SingleThreadedBlas).
+/// Scopes of one kind overlap freely; the two kinds take turns.
+class BlasTurns {
+ public:
+  enum Kind { kOwnThreads = 0, kSingle = 1, kFree = 2 };
+
+  static BlasTurns& instance() {
+    static BlasTurns turns;
+    return turns;
+  }
+
+  void enter(Kind kind) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ++waiting_[kind];
+    changed_.wait(lock, [&] { return may_enter(kind); });
+    --waiting_[kind];
+    if (holders_ == 0 && kind == kSingle) {
+      const auto& blas = OpenBlas::instance();
+      saved_threads_ = blas.get_num_threads();
+      if (saved_threads_ != 1) {
+        blas.set_num_threads(1);
+      }
+    }
+    turn_ = kind;
+    ++holders_;
+  }
+
+  void leave() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--holders_ > 0) {
+      return;
+    }
+    if (turn_ == kSingle && saved_threads_ != 1) {
+      OpenBlas::instance().set_num_threads(saved_threads_);
+    }
+    // The other kind goes next if it waits; the turn stays reserved for it
+    // until its waiters are in.
+    const auto other = turn_ == kSingle ? kOwnThreads : kSingle;
+    turn_ = waiting_[other] > 0 ? other : waiting_[turn_] > 0 ? turn_ : kFree;
+    changed_.notify_all();
+  }
+
+ private:
+  bool may_enter(Kind kind) const {
+    const auto other = kind == kSingle ? kOwnThreads : kSingle;
+    return turn_ == kFree ||
+           (turn_ == kind && (holders_ == 0 || waiting_[other] == 0));
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  Kind turn_ = kFree;
+  int holders_ = 0;
+  int waiting_[2] = {0, 0};
+  int saved_threads_ = 0;  // OpenBLAS's count before the single turn began
+};
+
+// This thread's live scopes of each kind (nested ones cost nothing).
+thread_local int own_thread_guards = 0;
+thread_local int single_scopes = 0;
 
 }  // namespace
 
@@ -91,27 +151,41 @@ std::string openblas_core() {
 }
 
 SingleThreadedBlas::SingleThreadedBlas() {
-  const auto& blas = OpenBlas::instance();
-  if (!blas.pthreads()) {
+  if (!OpenBlas::instance().pthreads() || single_scopes++ > 0) {
     return;
   }
-  std::lock_guard<std::mutex> lock(users_mutex);
-  if (users++ == 0) {
-    saved_threads = blas.get_num_threads();
-    if (saved_threads != 1) {
-      blas.set_num_threads(1);
-    }
+  auto& turns = BlasTurns::instance();
+  if (own_thread_guards > 0) {
+    turns.leave();  // this thread's guard steps aside for the loop
   }
+  turns.enter(BlasTurns::kSingle);
 }
 
 SingleThreadedBlas::~SingleThreadedBlas() {
-  const auto& blas = OpenBlas::instance();
-  if (!blas.pthreads()) {
+  if (!OpenBlas::instance().pthreads() || --single_scopes > 0) {
     return;
   }
-  std::lock_guard<std::mutex> lock(users_mutex);
-  if (--users == 0 && saved_threads != 1) {
-    blas.set_num_threads(saved_threads);
+  auto& turns = BlasTurns::instance();
+  turns.leave();
+  if (own_thread_guards > 0) {
+    turns.enter(BlasTurns::kOwnThreads);
+  }
+}
+
+BlasCallGuard::BlasCallGuard() {
+  if (!OpenBlas::instance().pthreads() || single_scopes > 0 ||
+      at::in_parallel_region()) {
+    return;
+  }
+  held_ = true;
+  if (own_thread_guards++ == 0) {
+    BlasTurns::instance().enter(BlasTurns::kOwnThreads);
+  }
+}
+
+BlasCallGuard::~BlasCallGuard() {
+  if (held_ && --own_thread_guards == 0) {
+    BlasTurns::instance().leave();
   }
 }
 

@@ -20,10 +20,17 @@
 namespace mha::detail {
 
 /// While an instance lives, the process's BLAS runs each call on the
-/// calling thread. The setting is process-wide: another thread's BLAS calls
-/// in that time also run on one thread (slower, never wrong). Instances may
-/// overlap, on any threads; the last one to end restores the thread count
-/// the first one found.
+/// calling thread. The setting is process-wide, so mha keeps its own calls
+/// on other threads out of that time (BlasCallGuard): they wait, and every
+/// GEMM of an mha call runs with the same BLAS thread count whether or not
+/// other threads call mha at the same time. OpenBLAS's pthreads build
+/// rounds some float32 GEMMs differently on 1 and 2 threads (measured here:
+/// tests/test_threads.cpp), so without that wait a call's result would
+/// depend on what other threads did. BLAS calls that are not mha's (the
+/// caller's own torch ops) are not held back: in that time they run on one
+/// thread (slower, never wrong). Instances may overlap on one thread and on
+/// several; the last one to end restores the thread count the first one
+/// found. Create and destroy an instance on the same thread.
 class SingleThreadedBlas {
  public:
   /// True when the loaded BLAS is one this class controls: OpenBLAS, found
@@ -37,6 +44,27 @@ class SingleThreadedBlas {
   ~SingleThreadedBlas();
   SingleThreadedBlas(const SingleThreadedBlas&) = delete;
   SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+};
+
+/// Held by each public entry point of mha that runs BLAS (the attention
+/// function, the modules' forward functions): while any thread's guard is
+/// live, no SingleThreadedBlas starts, and the other way round; guards of
+/// one kind share the time. Once one kind waits, no more guards of the
+/// other kind start until it has had its turn, so neither starves. Nested
+/// guards on one thread, and a guard inside a live SingleThreadedBlas of the
+/// same thread, cost nothing and never wait; so does a guard on a thread
+/// running inside ATen's parallel region (its pool must stay free for the loop
+/// that holds the single-thread setting). Does nothing unless
+/// SingleThreadedBlas controls the loaded BLAS (OpenBLAS's pthreads build).
+class BlasCallGuard {
+ public:
+  BlasCallGuard();
+  ~BlasCallGuard();
+  BlasCallGuard(const BlasCallGuard&) = delete;
+  BlasCallGuard& operator=(const BlasCallGuard&) = delete;
+
+ private:
+  bool held_ = false;
 };
 
 /// OpenBLAS's current thread count (openblas_get_num_threads), or 0 when

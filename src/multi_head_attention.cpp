@@ -7,6 +7,7 @@
 #include <string>
 
 #include "attention_core.h"
+#include "blas_threads.h"
 #include "mha/masks.h"
 #include "module_positions.h"
 #include "projection.h"
@@ -488,6 +489,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const torch::Tensor& value, const torch::Tensor& key_padding_mask,
     bool need_weights, const torch::Tensor& attn_mask,
     bool average_attn_weights, bool is_causal, const torch::Tensor& positions) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   // Self-attention is decided by the arguments, never by comparing data.
   const bool self_attention =
       !key.defined() || (key.is_same(query) && value.is_same(query));
@@ -565,6 +567,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
     const torch::Tensor& query, KVCache& cache, bool is_causal,
     bool need_weights, bool average_attn_weights,
     const torch::Tensor& key_padding_mask, const torch::Tensor& positions) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   TORCH_CHECK(!options.add_bias_kv() && !options.add_zero_attn(),
               "MultiHeadAttention::forward_cached: add_bias_kv and "
               "add_zero_attn are not supported with a cache");
@@ -696,6 +699,7 @@ torch::Tensor batch_first_input(const MultiHeadAttentionImpl& m,
 
 ProjectedKeyValue MultiHeadAttentionImpl::project_key_value(
     const torch::Tensor& key, const torch::Tensor& value) const {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   check_projectable(*this, "project_key_value");
   auto k_in = batch_first_input(*this, key, "key", kdim(), "kdim");
   auto v_in = batch_first_input(*this, value, "value", vdim(), "vdim");
@@ -724,6 +728,7 @@ MultiHeadAttentionImpl::forward_projected(const torch::Tensor& query,
                                           const torch::Tensor& key_padding_mask,
                                           bool need_weights,
                                           bool average_attn_weights) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   check_projectable(*this, "forward_projected");
   const int64_t E = options.embed_dim();
   auto q_in = batch_first_input(*this, query, "query", E, "E");

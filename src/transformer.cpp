@@ -5,6 +5,7 @@
 #include <functional>
 #include <string>
 
+#include "blas_threads.h"
 #include "compat.h"
 #include "projection.h"
 #include "transformer_blocks.h"
@@ -204,6 +205,7 @@ torch::Tensor TransformerEncoderLayerImpl::feed_forward_block(
 torch::Tensor TransformerEncoderLayerImpl::forward(
     const torch::Tensor& src, const torch::Tensor& src_mask,
     const torch::Tensor& src_key_padding_mask, bool is_causal) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   const auto E = options.d_model();
   const char* layout =
       options.batch_first() ? "(N, L, d_model)" : "(L, N, d_model)";
@@ -262,6 +264,7 @@ void TransformerEncoderImpl::reset() {
 torch::Tensor TransformerEncoderImpl::forward(
     const torch::Tensor& src, const torch::Tensor& mask,
     const torch::Tensor& src_key_padding_mask, bool is_causal) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   auto x = src;
   for (const auto& layer : *layers) {
     x = layer->as<TransformerEncoderLayerImpl>()->forward(

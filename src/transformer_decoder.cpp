@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "blas_threads.h"
 #include "mha/masks.h"
 #include "transformer_blocks.h"
 
@@ -159,6 +160,7 @@ torch::Tensor TransformerDecoderLayerImpl::forward(
     const torch::Tensor& tgt_key_padding_mask,
     const torch::Tensor& memory_key_padding_mask, bool tgt_is_causal,
     bool memory_is_causal) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   const char* module = "TransformerDecoderLayer";
   const auto E = options.d_model();
   const bool batch_first = options.batch_first();
@@ -195,6 +197,7 @@ torch::Tensor TransformerDecoderLayerImpl::forward(
 torch::Tensor TransformerDecoderLayerImpl::forward_cached(
     const torch::Tensor& tgt, KVCache& cache, const ProjectedKeyValue& memory,
     const torch::Tensor& memory_key_padding_mask) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   check_sequence("TransformerDecoderLayer::forward_cached", "tgt", tgt,
                  options.d_model(), options.batch_first(), "T");
   auto sa = [&](const torch::Tensor& x) {
@@ -239,6 +242,7 @@ torch::Tensor TransformerDecoderImpl::forward(
     const torch::Tensor& tgt_key_padding_mask,
     const torch::Tensor& memory_key_padding_mask, bool tgt_is_causal,
     bool memory_is_causal) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   auto x = tgt;
   for (const auto& layer : *layers) {
     x = layer->as<TransformerDecoderLayerImpl>()->forward(
@@ -254,6 +258,7 @@ torch::Tensor TransformerDecoderImpl::forward(
 TransformerDecoderCache TransformerDecoderImpl::make_cache(
     const torch::Tensor& memory, int64_t capacity,
     const torch::Tensor& memory_key_padding_mask) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   const char* module = "TransformerDecoder::make_cache";
   const auto& first = *layers->ptr<TransformerDecoderLayerImpl>(0);
   const bool batch_first = first.options.batch_first();
@@ -283,6 +288,7 @@ TransformerDecoderCache TransformerDecoderImpl::make_cache(
 
 torch::Tensor TransformerDecoderImpl::forward_cached(
     const torch::Tensor& tgt, TransformerDecoderCache& cache) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   TORCH_CHECK(cache.self_attention.size() == layers->size() &&
                   cache.memory.size() == layers->size(),
               "TransformerDecoder::forward_cached: cache must hold one entry "
@@ -373,6 +379,7 @@ torch::Tensor TransformerImpl::forward(
     const torch::Tensor& tgt_key_padding_mask,
     const torch::Tensor& memory_key_padding_mask, bool src_is_causal,
     bool tgt_is_causal, bool memory_is_causal) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   const char* module = "Transformer";
   const auto E = options.d_model();
   const bool batch_first = options.batch_first();
@@ -394,6 +401,7 @@ torch::Tensor TransformerImpl::encode(const torch::Tensor& src,
                                       const torch::Tensor& src_mask,
                                       const torch::Tensor& src_key_padding_mask,
                                       bool src_is_causal) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   return encoder.forward(src, src_mask, src_key_padding_mask, src_is_causal);
 }
 
@@ -414,6 +422,7 @@ TransformerDecoderCache TransformerImpl::make_cache(
 
 torch::Tensor TransformerImpl::forward_cached(const torch::Tensor& tgt,
                                               TransformerDecoderCache& cache) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
   return builtin_decoder("forward_cached").forward_cached(tgt, cache);
 }
 
