@@ -153,7 +153,8 @@ class ProcessGroup {
   int64_t rank() const;
   /// Number of processes in the group (LaunchEnv::world_size).
   int64_t world_size() const;
-  /// The collective backend in use: Backend::kGloo (CPU) or Backend::kNccl (CUDA).
+  /// The collective backend in use: Backend::kGloo (CPU) or
+  /// Backend::kNccl (CUDA).
   Backend backend() const;
   /// Where this rank's collective tensors must live: the CPU for Gloo,
   /// CUDA device LaunchEnv::local_rank for NCCL.

@@ -217,7 +217,7 @@ torch::Tensor reference_transformer(
 // ------------------------------------------------- recorded references ---
 
 /// A reference file recorded from a Python model (scripts/
-/// record_reference.py; format in README.md, "Porting a Hugging Face
+/// record_reference.py; format in docs/porting.md, "Prove your port"
 /// model"): a safetensors file with the input and output of one attention
 /// layer, and either the model directory it came from or the layer's
 /// tensors and config.json.

@@ -416,9 +416,11 @@ class TransformerImpl : public torch::nn::Cloneable<TransformerImpl> {
 
   /// The options the model was built with.
   TransformerOptions options;
-  /// The encoder: a TransformerEncoder with a final LayerNorm, or custom_encoder.
+  /// The encoder: a TransformerEncoder with a final LayerNorm, or
+  /// custom_encoder.
   torch::nn::AnyModule encoder;
-  /// The decoder: a TransformerDecoder with a final LayerNorm, or custom_decoder.
+  /// The decoder: a TransformerDecoder with a final LayerNorm, or
+  /// custom_decoder.
   torch::nn::AnyModule decoder;
 
  private:
