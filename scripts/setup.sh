@@ -14,6 +14,7 @@ packages=(
   libgloo-dev           # Gloo headers: c10d data-parallel training (mha-train --nproc)
   pkg-config            # the consumer test built with `pkg-config --cflags --libs mha`
   dpkg-dev file         # dpkg-shlibdeps and file(1) for `cpack -G DEB`
+  doxygen               # the API reference and guides (scripts/docs.sh, CTest docs.doxygen)
   cmake g++ make ninja-build
 )
 

@@ -79,6 +79,7 @@ struct ScaledDotProductAttentionOptions {
 class ScaledDotProductAttentionImpl
     : public torch::nn::Cloneable<ScaledDotProductAttentionImpl> {
  public:
+  /// Builds the module from `options_` (dropout); reset() checks them.
   explicit ScaledDotProductAttentionImpl(
       const ScaledDotProductAttentionOptions& options_ = {});
 

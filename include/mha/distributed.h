@@ -142,13 +142,19 @@ class ProcessGroup {
   explicit ProcessGroup(const LaunchEnv& env,
                         const ProcessGroupOptions& options = {});
   ~ProcessGroup();
+  /// Takes over `other`'s connection; `other` is left empty.
   ProcessGroup(ProcessGroup&&) noexcept;
+  /// Drops the current group (as the destructor does), takes over `other`'s.
   ProcessGroup& operator=(ProcessGroup&&) noexcept;
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
+  /// This process's rank, 0 <= rank < world_size() (LaunchEnv::rank).
   int64_t rank() const;
+  /// Number of processes in the group (LaunchEnv::world_size).
   int64_t world_size() const;
+  /// The collective backend in use: Backend::kGloo (CPU) or
+  /// Backend::kNccl (CUDA).
   Backend backend() const;
   /// Where this rank's collective tensors must live: the CPU for Gloo,
   /// CUDA device LaunchEnv::local_rank for NCCL.
@@ -200,6 +206,8 @@ enum class GradientReduction {
 
 /// Options of GradientSynchronizer.
 struct GradientSyncOptions {
+  /// How the ranks' gradients combine: GradientReduction::kMean (DDP's
+  /// default) or GradientReduction::kSum.
   TORCH_ARG(GradientReduction, reduction) = GradientReduction::kMean;
   /// Gradients are flattened into buckets of at most this many bytes (one
   /// parameter larger than that gets a bucket of its own), one collective

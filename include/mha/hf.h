@@ -7,7 +7,7 @@
 // (https://github.com/huggingface/transformers, src/transformers/models/
 // <family>/modeling_<family>.py and configuration_<family>.py, 4.x and 5.x)
 // for Llama, Mistral, Qwen2, GPT-J, GPT-NeoX, Falcon, BLOOM, GPT-2, BERT and
-// T5; README.md, "Porting a Hugging Face model", lists what is read from
+// T5; docs/porting.md, "Porting a Hugging Face model", lists what is read from
 // config.json for each. Checked against small random transformers models in
 // tests/fixtures/hf (scripts/make_hf_fixtures.py).
 #pragma once

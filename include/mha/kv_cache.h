@@ -39,14 +39,19 @@ class KVCache {
   int64_t size() const { return size_; }
   /// Positions the buffers hold at most.
   int64_t capacity() const { return key_buffer_.size(2); }
+  /// Sequences per batch, N (the buffers' dim 0).
   int64_t batch_size() const { return key_buffer_.size(0); }
+  /// Key/value heads, Hkv (the buffers' dim 1).
   int64_t num_kv_heads() const { return key_buffer_.size(1); }
+  /// Features per head, D (the buffers' dim 3).
   int64_t head_dim() const { return key_buffer_.size(3); }
+  /// dtype and device of the buffers (those of the module's parameters).
   torch::TensorOptions options() const { return key_buffer_.options(); }
 
   /// Keys and values of the positions held, (N, Hkv, size(), D) views of
   /// the buffers (valid until the next append or clear).
   torch::Tensor key() const { return key_buffer_.narrow(2, 0, size_); }
+  /// The values of the positions held, (N, Hkv, size(), D); as key().
   torch::Tensor value() const { return value_buffer_.narrow(2, 0, size_); }
 
   /// The token positions of the entries held, int64 (N, size()) on the

@@ -156,9 +156,13 @@ struct ProjectedKeyValue {
 class MultiHeadAttentionImpl
     : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
  public:
+  /// `embed_dim` features split over `num_heads` heads, every other option
+  /// at its default (as torch::nn::MultiheadAttention(embed_dim, num_heads)).
   MultiHeadAttentionImpl(int64_t embed_dim, int64_t num_heads)
       : MultiHeadAttentionImpl(
             MultiHeadAttentionOptions(embed_dim, num_heads)) {}
+  /// Builds the module from `options_`. Throws c10::Error naming the option
+  /// for invalid ones (reset()).
   explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options_);
 
   /// Attends from query to key/value.

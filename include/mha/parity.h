@@ -34,6 +34,7 @@ enum class MaskKind { kNone, kBool, kFloat };
 
 /// One configuration to check. Lengths and sizes are in elements.
 struct Case {
+  /// Row name, e.g. "causal-self" (mha-parity prints it with the dtype).
   std::string name;
   /// Checks a TransformerEncoderLayer (self-attention over the query; the
   /// attention fields below apply to its self_attn, attn_mask is src_mask,
@@ -62,20 +63,30 @@ struct Case {
   c10::optional<int64_t> kdim;   ///< default embed_dim
   c10::optional<int64_t> vdim;   ///< default embed_dim
   bool self_attention = false;   ///< key and value left undefined
+  /// Biases in the projections (PyTorch's `bias`).
   bool bias = true;
+  /// Learned key and value rows appended (PyTorch's `add_bias_kv`).
   bool add_bias_kv = false;
+  /// A zero key and value appended (PyTorch's `add_zero_attn`).
   bool add_zero_attn = false;
+  /// Inputs (N, L, E) if true, else (L, N, E).
   bool batch_first = true;
   bool unbatched = false;  ///< query (L, E); batch must be 1
+  /// The (N, S) key padding mask's kind (bool: true = padded).
   MaskKind key_padding_mask = MaskKind::kNone;
+  /// The attention mask's kind (bool: true = blocked; float: added).
   MaskKind attn_mask = MaskKind::kNone;
   bool attn_mask_3d = false;  ///< (N*H, L, S) instead of (L, S)
+  /// Query i attends keys j <= i only.
   bool is_causal = false;
   /// Block every key of the first query row (through the masks in use, or a
   /// padding mask when none is): exercises the fully-masked-row rule.
   bool fully_masked_row = false;
+  /// Return and compare the attention weights.
   bool need_weights = true;
+  /// Weights averaged over heads (N, L, S), else per head (N, H, L, S).
   bool average_attn_weights = true;
+  /// dtype of inputs and parameters (float32, float64; half types on CUDA).
   torch::ScalarType dtype = torch::kFloat32;
   /// Called on the mha attention module (an encoder layer's self_attn) after
   /// both references took its weights and before it runs: lets a test plant
@@ -85,7 +96,9 @@ struct Case {
 
 /// Elementwise tolerance: |mha - reference| <= atol + rtol * |reference|.
 struct Tolerance {
+  /// Absolute part of the tolerance.
   double atol = 0.0;
+  /// Relative part, times |reference|.
   double rtol = 0.0;
 };
 
@@ -109,16 +122,23 @@ struct Comparison {
 /// Errors against one reference, worst over every compared tensor.
 struct ReferenceResult {
   bool used = false;  ///< this reference was compared
+  /// Largest max |mha - reference| over parts.
   double max_abs = 0.0;
+  /// Largest max |mha - reference| / (|reference| + atol) over parts.
   double max_rel = 0.0;
+  /// Every part within the tolerance.
   bool within = true;
+  /// One entry per compared tensor.
   std::vector<Comparison> parts;
 };
 
 /// The result of one case.
 struct CaseResult {
+  /// The case's name and dtype, e.g. "causal-self/f32".
   std::string name;
+  /// PASS, FAIL or REF-DIFF (torch::nn differs where it is known wrong).
   Status status = Status::kFail;
+  /// The tolerance both references were judged with.
   Tolerance tolerance;
   ReferenceResult torch_nn;  ///< mha vs torch::nn's module (if it has the
                              ///< case's options)
@@ -149,6 +169,7 @@ struct Inputs {
   torch::Tensor value;             ///< (N, S, vdim)
   torch::Tensor key_padding_mask;  ///< (N, S) or undefined
   torch::Tensor attn_mask;         ///< (L, S) or (N*H, L, S) or undefined
+  /// Query i attends keys j <= i only.
   bool is_causal = false;
 };
 
@@ -196,11 +217,12 @@ torch::Tensor reference_transformer(
 // ------------------------------------------------- recorded references ---
 
 /// A reference file recorded from a Python model (scripts/
-/// record_reference.py; format in README.md, "Porting a Hugging Face
+/// record_reference.py; format in docs/porting.md, "Prove your port"
 /// model"): a safetensors file with the input and output of one attention
 /// layer, and either the model directory it came from or the layer's
 /// tensors and config.json.
 struct RecordedReference {
+  /// The file read.
   std::string path;
   /// __metadata__: format, version, config, layer, stack, model_dir.
   std::map<std::string, std::string> metadata;
@@ -224,6 +246,7 @@ struct RecordedCheck {
   std::string name;     ///< the file's name
   Tolerance tolerance;  ///< 1e-5 + 1e-4 |ref| in float32/64, else the dtype's
   std::vector<Comparison> parts;  ///< output, weights (per step if cached)
+  /// Every part within the tolerance (the row PASSes).
   bool within = true;
   /// The element farthest outside (or nearest to) the tolerance, e.g.
   /// "output[1, 3, 7]: mha 0.1234 vs reference 0.1240".

@@ -22,6 +22,7 @@ namespace mha {
 /// Options of mha::LayerNorm: normalization over the last dim of size
 /// `normalized_size`.
 struct LayerNormOptions {
+  /// Normalization over a last dim of `normalized_size`.
   explicit LayerNormOptions(int64_t normalized_size)
       : normalized_size_(normalized_size) {}
   /// Size of the normalized (last) dim.
@@ -43,6 +44,7 @@ struct LayerNormOptions {
 /// Throws c10::Error if the last dim of the input is not normalized_size.
 class LayerNormImpl : public torch::nn::Cloneable<LayerNormImpl> {
  public:
+  /// Builds the module and its parameters from `options_` (reset()).
   explicit LayerNormImpl(const LayerNormOptions& options_);
 
   /// (..., normalized_size) → same shape.
@@ -55,6 +57,7 @@ class LayerNormImpl : public torch::nn::Cloneable<LayerNormImpl> {
   /// Prints e.g. `mha::LayerNorm(8, eps=1e-05, bias=false)`.
   void pretty_print(std::ostream& stream) const override;
 
+  /// The options the module was built with.
   LayerNormOptions options;
   torch::Tensor weight;  ///< (normalized_size)
   torch::Tensor bias;    ///< (normalized_size), undefined when !bias
@@ -68,6 +71,7 @@ TORCH_MODULE(LayerNorm);
 /// Options of mha::TransformerEncoderLayer. Defaults as PyTorch's, except
 /// batch_first = true (our choice, DESIGN.md).
 struct TransformerEncoderLayerOptions {
+  /// `d_model` features, `nhead` heads; the other options at their defaults.
   TransformerEncoderLayerOptions(int64_t d_model, int64_t nhead)
       : d_model_(d_model), nhead_(nhead) {}
   /// Features of the input and output, E.
@@ -110,9 +114,12 @@ struct TransformerEncoderLayerOptions {
 class TransformerEncoderLayerImpl
     : public torch::nn::Cloneable<TransformerEncoderLayerImpl> {
  public:
+  /// `d_model` features, `nhead` heads, every other option at its default.
   TransformerEncoderLayerImpl(int64_t d_model, int64_t nhead)
       : TransformerEncoderLayerImpl(
             TransformerEncoderLayerOptions(d_model, nhead)) {}
+  /// Builds the layer from `options_`. Throws c10::Error naming the option
+  /// for invalid ones (reset()).
   explicit TransformerEncoderLayerImpl(
       const TransformerEncoderLayerOptions& options_);
 
@@ -146,14 +153,21 @@ class TransformerEncoderLayerImpl
   /// Prints e.g. `mha::TransformerEncoderLayer(d_model=8, nhead=2, ...)`.
   void pretty_print(std::ostream& stream) const override;
 
+  /// The options the layer was built with.
   TransformerEncoderLayerOptions options;
+  /// Self-attention (d_model, nhead), need_weights=false.
   MultiHeadAttention self_attn = nullptr;
   torch::nn::Linear linear1 = nullptr;  ///< E → F
+  /// Dropout inside the feed-forward block.
   torch::nn::Dropout dropout = nullptr;
   torch::nn::Linear linear2 = nullptr;  ///< F → E
+  /// Norm of the attention block (before it if norm_first, else after).
   LayerNorm norm1 = nullptr;
+  /// Norm of the feed-forward block.
   LayerNorm norm2 = nullptr;
+  /// Dropout on the attention block's output.
   torch::nn::Dropout dropout1 = nullptr;
+  /// Dropout on the feed-forward block's output.
   torch::nn::Dropout dropout2 = nullptr;
 
  private:
@@ -171,6 +185,7 @@ TORCH_MODULE(TransformerEncoderLayer);
 
 /// Options of mha::TransformerEncoder.
 struct TransformerEncoderOptions {
+  /// `num_layers` deep copies of `encoder_layer`, no final norm.
   TransformerEncoderOptions(TransformerEncoderLayer encoder_layer,
                             int64_t num_layers)
       : encoder_layer_(std::move(encoder_layer)), num_layers_(num_layers) {}
@@ -200,6 +215,7 @@ struct TransformerEncoderOptions {
 class TransformerEncoderImpl
     : public torch::nn::Cloneable<TransformerEncoderImpl> {
  public:
+  /// Builds the stack from `options_` (reset()).
   explicit TransformerEncoderImpl(const TransformerEncoderOptions& options_);
 
   /// Runs src through every layer, then the norm. Shapes, masks and errors
@@ -221,8 +237,11 @@ class TransformerEncoderImpl
   /// Prints e.g. `mha::TransformerEncoder(num_layers=4)` and its layers.
   void pretty_print(std::ostream& stream) const override;
 
+  /// The options the encoder was built with.
   TransformerEncoderOptions options;
+  /// The layers, state-dict names layers.0, layers.1, ...
   torch::nn::ModuleList layers = nullptr;
+  /// The final norm; empty when none was given.
   torch::nn::AnyModule norm;
 };
 

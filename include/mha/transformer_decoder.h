@@ -24,6 +24,7 @@ namespace mha {
 /// Options of mha::TransformerDecoderLayer; as the encoder layer's
 /// (defaults as PyTorch's, except batch_first = true, DESIGN.md).
 struct TransformerDecoderLayerOptions {
+  /// `d_model` features, `nhead` heads; the other options at their defaults.
   TransformerDecoderLayerOptions(int64_t d_model, int64_t nhead)
       : d_model_(d_model), nhead_(nhead) {}
   /// Features of tgt, memory and the output, E.
@@ -91,9 +92,12 @@ struct TransformerDecoderCache {
 class TransformerDecoderLayerImpl
     : public torch::nn::Cloneable<TransformerDecoderLayerImpl> {
  public:
+  /// `d_model` features, `nhead` heads, every other option at its default.
   TransformerDecoderLayerImpl(int64_t d_model, int64_t nhead)
       : TransformerDecoderLayerImpl(
             TransformerDecoderLayerOptions(d_model, nhead)) {}
+  /// Builds the layer from `options_`. Throws c10::Error naming the option
+  /// for invalid ones (reset()).
   explicit TransformerDecoderLayerImpl(
       const TransformerDecoderLayerOptions& options_);
 
@@ -153,17 +157,25 @@ class TransformerDecoderLayerImpl
   /// Prints e.g. `mha::TransformerDecoderLayer(d_model=8, nhead=2, ...)`.
   void pretty_print(std::ostream& stream) const override;
 
+  /// The options the layer was built with.
   TransformerDecoderLayerOptions options;
   MultiHeadAttention self_attn = nullptr;       ///< over the target
   MultiHeadAttention multihead_attn = nullptr;  ///< target → memory
   torch::nn::Linear linear1 = nullptr;          ///< E → F
+  /// Dropout inside the feed-forward block.
   torch::nn::Dropout dropout = nullptr;
   torch::nn::Linear linear2 = nullptr;  ///< F → E
+  /// Norm of the self-attention block.
   LayerNorm norm1 = nullptr;
+  /// Norm of the cross-attention block.
   LayerNorm norm2 = nullptr;
+  /// Norm of the feed-forward block.
   LayerNorm norm3 = nullptr;
+  /// Dropout on the self-attention block's output.
   torch::nn::Dropout dropout1 = nullptr;
+  /// Dropout on the cross-attention block's output.
   torch::nn::Dropout dropout2 = nullptr;
+  /// Dropout on the feed-forward block's output.
   torch::nn::Dropout dropout3 = nullptr;
 
  private:
@@ -179,6 +191,7 @@ TORCH_MODULE(TransformerDecoderLayer);
 
 /// Options of mha::TransformerDecoder.
 struct TransformerDecoderOptions {
+  /// `num_layers` deep copies of `decoder_layer`, no final norm.
   TransformerDecoderOptions(TransformerDecoderLayer decoder_layer,
                             int64_t num_layers)
       : decoder_layer_(std::move(decoder_layer)), num_layers_(num_layers) {}
@@ -208,6 +221,7 @@ struct TransformerDecoderOptions {
 class TransformerDecoderImpl
     : public torch::nn::Cloneable<TransformerDecoderImpl> {
  public:
+  /// Builds the stack from `options_` (reset()).
   explicit TransformerDecoderImpl(const TransformerDecoderOptions& options_);
 
   /// Runs tgt through every layer (each attending to memory), then the
@@ -254,8 +268,11 @@ class TransformerDecoderImpl
   /// Prints e.g. `mha::TransformerDecoder(num_layers=4)` and its layers.
   void pretty_print(std::ostream& stream) const override;
 
+  /// The options the decoder was built with.
   TransformerDecoderOptions options;
+  /// The layers, state-dict names layers.0, layers.1, ...
   torch::nn::ModuleList layers = nullptr;
+  /// The final norm; empty when none was given.
   torch::nn::AnyModule norm;
 };
 
@@ -269,8 +286,11 @@ TORCH_MODULE(TransformerDecoder);
 struct TransformerOptions {
   /// Python's defaults: d_model 512, nhead 8.
   TransformerOptions() = default;
+  /// `d_model` features, `nhead` heads; the other options at their defaults.
   TransformerOptions(int64_t d_model, int64_t nhead)
       : d_model_(d_model), nhead_(nhead) {}
+  /// As TransformerOptions(d_model, nhead) with the numbers of encoder and
+  /// decoder layers (Python's positional order).
   TransformerOptions(int64_t d_model, int64_t nhead, int64_t num_encoder_layers,
                      int64_t num_decoder_layers)
       : d_model_(d_model),
@@ -330,6 +350,8 @@ struct TransformerOptions {
 ///   // y: (8, 9, 64)
 class TransformerImpl : public torch::nn::Cloneable<TransformerImpl> {
  public:
+  /// Builds the encoder and decoder (or takes the custom ones) and
+  /// initialises them (reset(), reset_parameters()).
   explicit TransformerImpl(const TransformerOptions& options_ = {});
 
   /// output = decoder(tgt, encoder(src, src_mask, src_key_padding_mask,
@@ -392,8 +414,13 @@ class TransformerImpl : public torch::nn::Cloneable<TransformerImpl> {
   /// Prints e.g. `mha::Transformer(d_model=512, nhead=8, ...)`.
   void pretty_print(std::ostream& stream) const override;
 
+  /// The options the model was built with.
   TransformerOptions options;
+  /// The encoder: a TransformerEncoder with a final LayerNorm, or
+  /// custom_encoder.
   torch::nn::AnyModule encoder;
+  /// The decoder: a TransformerDecoder with a final LayerNorm, or
+  /// custom_decoder.
   torch::nn::AnyModule decoder;
 
  private:

@@ -16,11 +16,17 @@ namespace mha::train {
 /// step, RNG state, loss history, fingerprint; LibTorch serialization),
 /// loss.csv and loss.svg.
 struct RunFiles {
+  /// The paths under `out_dir` (nothing is created).
   explicit RunFiles(const std::string& out_dir);
+  /// out_dir/checkpoint, swapped in as a whole directory.
   std::string checkpoint_dir;
+  /// checkpoint/model.safetensors: the weights.
   std::string model;
+  /// checkpoint/trainer.pt: optimizer, step, RNG state, loss history.
   std::string trainer;
+  /// loss.csv: step, lr, train_loss, val_loss, tokens_per_s, elapsed_s.
   std::string loss_csv;
+  /// loss.svg: the loss curve (mha::train::write_loss_svg).
   std::string loss_svg;
 };
 

@@ -55,6 +55,7 @@ constexpr int64_t kIgnoreIndex = -100;
 
 /// Random digit sequences of random length, padded to max_len.
 struct DigitDataOptions {
+  /// Sequences for `rule`; the other options at their defaults.
   explicit DigitDataOptions(DigitRule rule) : rule_(rule) {}
   /// Reverse or sort.
   TORCH_ARG(DigitRule, rule);
@@ -114,6 +115,7 @@ class CharVocab {
 /// A text as ids, split into a training part (the beginning) and a
 /// validation part (the end).
 struct CharCorpus {
+  /// The characters of the text, one id each.
   CharVocab vocab;
   torch::Tensor train;  ///< (T_train) int64
   torch::Tensor val;    ///< (T_val) int64

@@ -22,6 +22,7 @@ namespace mha::train {
 
 /// Options of DigitTransformer. The defaults are mha-train --task reverse's.
 struct DigitTransformerOptions {
+  /// Inputs of up to `max_len` tokens; the other options at their defaults.
   explicit DigitTransformerOptions(int64_t max_len) : max_len_(max_len) {}
   /// Positions of the learned position embedding: the longest input.
   TORCH_ARG(int64_t, max_len);
@@ -45,6 +46,7 @@ struct DigitTransformerOptions {
 /// (layers.0..., norm), head (E → kNumDigits).
 class DigitTransformerImpl : public torch::nn::Cloneable<DigitTransformerImpl> {
  public:
+  /// Builds the model from `options_` (reset()).
   explicit DigitTransformerImpl(const DigitTransformerOptions& options_);
 
   /// input (N, L) int64 token ids, L <= max_len; padding (N, L) bool, true =
@@ -57,10 +59,15 @@ class DigitTransformerImpl : public torch::nn::Cloneable<DigitTransformerImpl> {
   /// Checks the options and (re)creates the submodules.
   void reset() override;
 
+  /// The options the model was built with.
   DigitTransformerOptions options;
+  /// Token embedding (kDigitVocabSize, E).
   torch::nn::Embedding tok_emb = nullptr;
+  /// Learned position embedding (max_len, E).
   torch::nn::Embedding pos_emb = nullptr;
+  /// Pre-norm encoder (num_layers layers, final LayerNorm).
   TransformerEncoder encoder = nullptr;
+  /// E → kNumDigits logits.
   torch::nn::Linear head = nullptr;
 };
 
@@ -79,6 +86,8 @@ torch::Tensor masked_cross_entropy(const torch::Tensor& logits,
 /// Options of CharLM (the names of nanoGPT's GPTConfig). The defaults are
 /// mha-train --task charlm's.
 struct CharLMOptions {
+  /// `vocab_size` characters, context of `block_size` positions; the other
+  /// options at their defaults.
   CharLMOptions(int64_t vocab_size, int64_t block_size)
       : vocab_size_(vocab_size), block_size_(block_size) {}
   /// Vocabulary size V.
@@ -110,6 +119,8 @@ struct CharLMOptions {
 /// Submodules: ln_1, attn, ln_2, c_fc (E → 4E), c_proj (4E → E), dropout.
 class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
  public:
+  /// Builds the block from the model's options (n_embd, n_head, dropout;
+  /// with rotary, a window of block_size keys).
   explicit GPTBlockImpl(const CharLMOptions& options_);
   /// x (N, T, E) → (N, T, E); position t sees positions <= t only (and
   /// > t - block_size when rotary).
@@ -126,12 +137,19 @@ class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
   /// initialisation; CharLM re-initialises them as nanoGPT).
   void reset() override;
 
+  /// The model's options this block was built with.
   CharLMOptions options;
+  /// Norm before attention (E).
   LayerNorm ln_1 = nullptr;
+  /// Causal self-attention (E, n_head).
   MultiHeadAttention attn = nullptr;
+  /// Norm before the feed-forward block (E).
   LayerNorm ln_2 = nullptr;
+  /// E → 4E.
   torch::nn::Linear c_fc = nullptr;
+  /// 4E → E, back into the residual stream.
   torch::nn::Linear c_proj = nullptr;
+  /// Dropout on both residual branches (training mode only).
   torch::nn::Dropout dropout = nullptr;
 
  private:
@@ -152,7 +170,7 @@ TORCH_MODULE(GPTBlock);
 ///
 /// Parameters (state-dict names): wte.weight (V, E), wpe.weight (T, E) when
 /// !rotary,
-/// h.<i>.{ln_1,attn,ln_2,c_fc,c_proj}.*, ln_f.{weight,bias}. Initialised as
+/// `h.<i>.{ln_1,attn,ln_2,c_fc,c_proj}.*`, `ln_f.{weight,bias}`. Initialised as
 /// nanoGPT: embeddings, attn.in_proj_weight and c_fc.weight N(0, 0.02); the
 /// projections back into the residual stream (attn.out_proj.weight,
 /// c_proj.weight) N(0, 0.02 / sqrt(2 n_layer)); biases 0; LayerNorms 1, 0.
@@ -163,6 +181,7 @@ TORCH_MODULE(GPTBlock);
 ///   auto logits = lm(torch::randint(65, {2, 64}));  // (2, 64, 65)
 class CharLMImpl : public torch::nn::Cloneable<CharLMImpl> {
  public:
+  /// Builds and initialises the model from `options_` (reset()).
   explicit CharLMImpl(const CharLMOptions& options_);
 
   /// idx (N, T) int64 ids in [0, V), T <= block_size unless rotary.
@@ -193,11 +212,17 @@ class CharLMImpl : public torch::nn::Cloneable<CharLMImpl> {
   /// Checks the options, (re)creates the submodules and initialises them.
   void reset() override;
 
+  /// The options the model was built with.
   CharLMOptions options;
+  /// Token embedding (V, E), also the output head (weight tying).
   torch::nn::Embedding wte = nullptr;
+  /// Learned position embedding (block_size, E); null when rotary.
   torch::nn::Embedding wpe = nullptr;
+  /// Dropout on the embeddings (training mode only).
   torch::nn::Dropout drop = nullptr;
+  /// The n_layer GPTBlocks (h.0, h.1, ...).
   torch::nn::ModuleList h = nullptr;
+  /// Final norm (E) before the head.
   LayerNorm ln_f = nullptr;
 };
 

@@ -15,9 +15,13 @@ namespace mha::train {
 /// min_lr at total_steps (Loshchilov & Hutter 2017, without restarts).
 /// Steps count from 1.
 struct LrSchedule {
+  /// Learning rate at the end of the warmup.
   double peak_lr = 1e-3;
+  /// Learning rate at total_steps and after.
   double min_lr = 1e-4;
+  /// Steps of the linear warmup (0: none).
   int64_t warmup_steps = 100;
+  /// Step at which the cosine decay reaches min_lr.
   int64_t total_steps = 1000;
   /// The learning rate of `step` (1-based): peak_lr * step / warmup_steps
   /// while step <= warmup_steps; then min_lr + (peak_lr - min_lr) *

@@ -29,6 +29,7 @@ struct Progress {
 /// that validated or checkpointed, plus the last step.
 class ProgressThrottle {
  public:
+  /// A throttle for a run of `steps` steps; `interactive`: on a terminal.
   ProgressThrottle(bool interactive, int64_t steps, double min_interval_s = 0.2,
                    int64_t max_lines = 20);
   /// True if `progress` (at `now_s` seconds on any steady clock) should be

@@ -87,6 +87,8 @@ std::string addition_text(const torch::Tensor& row);
 
 /// Options of Seq2SeqTransformer. The defaults are mha-train --task add's.
 struct Seq2SeqTransformerOptions {
+  /// `vocab_size` tokens, sources of up to `max_src_len` and targets of up
+  /// to `max_tgt_len` tokens; the other options at their defaults.
   Seq2SeqTransformerOptions(int64_t vocab_size, int64_t max_src_len,
                             int64_t max_tgt_len)
       : vocab_size_(vocab_size),
@@ -122,6 +124,7 @@ struct Seq2SeqTransformerOptions {
 class Seq2SeqTransformerImpl
     : public torch::nn::Cloneable<Seq2SeqTransformerImpl> {
  public:
+  /// Builds the model from `options_` (reset()).
   explicit Seq2SeqTransformerImpl(const Seq2SeqTransformerOptions& options_);
 
   /// Teacher-forced logits. src (N, S) int64, S <= max_src_len;
@@ -148,11 +151,17 @@ class Seq2SeqTransformerImpl
   /// Checks the options and (re)creates the submodules.
   void reset() override;
 
+  /// The options the model was built with.
   Seq2SeqTransformerOptions options;
+  /// Token embedding (V, E), shared by source and target.
   torch::nn::Embedding tok_emb = nullptr;
+  /// Learned source positions (max_src_len, E).
   torch::nn::Embedding src_pos = nullptr;
+  /// Learned target positions (max_tgt_len, E).
   torch::nn::Embedding tgt_pos = nullptr;
+  /// The encoder–decoder mha::Transformer.
   Transformer transformer = nullptr;
+  /// E → V logits.
   torch::nn::Linear head = nullptr;
 };
 
@@ -226,7 +235,9 @@ class AdditionTask : public TrainTask {
   /// each: "4821+93 = 4914 (model: 4914)" (the sum written normally).
   std::string examples(int64_t count);
 
+  /// The options of the task's additions (digits, seeds).
   const AdditionDataOptions& data() const { return data_; }
+  /// The model being trained.
   Seq2SeqTransformer& transformer() { return model_; }
 
  private:

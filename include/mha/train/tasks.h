@@ -23,14 +23,18 @@ namespace mha::train {
 /// The loss of one training batch: a scalar with a gradient, in nats per
 /// token, and how many (real) tokens it covered.
 struct BatchLoss {
+  /// Scalar, nats per token, with a gradient.
   torch::Tensor loss;
+  /// Real (unpadded) tokens the loss covers.
   int64_t tokens = 0;
 };
 
 /// A summed loss and the number of tokens it covers (their quotient is the
 /// mean loss in nats per token).
 struct LossSum {
+  /// Summed loss in nats.
   double sum = 0.0;
+  /// Tokens the sum covers.
   int64_t tokens = 0;
   /// sum / tokens (0 when there are no tokens).
   double mean() const {
@@ -81,6 +85,7 @@ class TrainTask {
   /// Sets the part of every batch this task computes. Throws c10::Error
   /// unless 0 <= shard.index < shard.count.
   void set_shard(const Shard& shard);
+  /// The part of every batch this task computes (set_shard).
   const Shard& shard() const { return shard_; }
 
  private:
@@ -113,12 +118,17 @@ class DigitTask : public TrainTask {
   /// the fraction of sequences with every digit right and the fraction of
   /// digits right. Eval mode, no gradients; restores the model's mode.
   struct Accuracy {
+    /// Fraction of sequences with every digit right.
     double sequence = 0.0;
+    /// Fraction of digits right.
     double token = 0.0;
+    /// Sequences evaluated.
     int64_t num_sequences = 0;
   };
+  /// Evaluates `num_sequences` held-out sequences (see Accuracy).
   Accuracy accuracy(int64_t num_sequences = 2000);
 
+  /// The model being trained.
   DigitTransformer& transformer() { return model_; }
 
  private:
@@ -160,7 +170,7 @@ class CharLMTask : public TrainTask {
   std::string sample(const std::string& prompt, int64_t length,
                      const SamplingOptions& options, bool use_kv_cache = true);
 
-  /// Writes `dir`/layer<l>.svg for every block l: one heatmap panel per
+  /// Writes `<dir>/layer<l>.svg` for every block l: one heatmap panel per
   /// head ("layer l, head h") of the attention weights over the first
   /// `length` characters of the validation text (1 <= length <=
   /// block_size), both axes labelled with those characters (space as
@@ -170,7 +180,9 @@ class CharLMTask : public TrainTask {
   std::vector<std::string> plot_attention(const std::string& dir,
                                           int64_t length);
 
+  /// The text being modelled, as ids (training and validation parts).
   const CharCorpus& corpus() const { return corpus_; }
+  /// The model being trained.
   CharLM& lm() { return model_; }
 
  private:
