@@ -267,6 +267,8 @@ struct BatchedDecodeRow {
   double batched_decode_ms = 0;
   double single_prefill_ms = 0;  ///< one at a time: sum over the prompts
   double single_decode_ms = 0;
+  /// Every timed run's decode ms, in the order measured.
+  std::vector<double> batched_decode_samples_ms, single_decode_samples_ms;
   /// max |batched - alone| over the prompts' real tokens and every decode
   /// step's output, of the untimed first run.
   double max_abs_diff = 0;

@@ -217,6 +217,8 @@ BatchedDecodeRow measure_batched_decode(int64_t batch,
     sp.push_back(s.prefill_ms);
     sd.push_back(s.decode_ms);
   }
+  row.batched_decode_samples_ms = bd;
+  row.single_decode_samples_ms = sd;
   row.batched_prefill_ms = median(bp);
   row.batched_decode_ms = median(bd);
   row.single_prefill_ms = median(sp);
