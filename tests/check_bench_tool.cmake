@@ -3,7 +3,9 @@
 # row per configuration and mode, passed checks, the dense FLOP count, the
 # direction of the ratio, and peak memory by both methods; the third
 # contender, projections + at::scaled_dot_product_attention: "n/a (LibTorch
-# < 2.0)" below 2.0, else timed and checked in every mode but fwd-weights.
+# < 2.0)" below 2.0, else timed and checked in every mode but fwd-weights;
+# the batched decoding table (one left-padded cache equal to each sequence
+# alone; FAIL with --plant-fault) in the text and the JSON.
 # Variables: TOOL (the mha-bench executable), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -36,6 +38,12 @@ if(NOT last_output MATCHES "LibTorch:  1\\." AND
    NOT last_output MATCHES "sdpa FAIL output")
   message(FATAL_ERROR "--plant-fault: expected sdpa FAIL, got:\n${last_output}")
 endif()
+# Batched decoding with the fault (no key_padding_mask: the pads are
+# attended) differs from the sequences decoded alone: its row says FAIL.
+if(NOT last_output MATCHES "\n +3 +[0-9]+ [^\n]*x  FAIL [0-9.e+-]+\n")
+  message(FATAL_ERROR "--plant-fault: expected a FAIL row in the batched "
+          "decoding table, got:\n${last_output}")
+endif()
 if(last_output MATCHES "LibTorch:  1\\." AND
    NOT last_output MATCHES "n/a \\(LibTorch < 2\\.0\\)")
   message(FATAL_ERROR "LibTorch 1.x: expected \"n/a (LibTorch < 2.0)\" in "
@@ -46,6 +54,7 @@ endif()
 set(modes fwd fwd-weights causal fwd-bwd inference encoder)
 set(configs "2,16,32,4" "1,32,16,2")  # --quick's
 expect_exit(0 --quick --json ${WORK_DIR}/bench.json)
+set(quick_output "${last_output}")
 file(READ ${WORK_DIR}/bench.json json)
 foreach(key cpu_model blas libtorch intra_op_threads omp_wait_policy
             openblas_num_threads_env)
@@ -193,7 +202,54 @@ if(NOT window_rows EQUAL 2 OR NOT window_ms GREATER 0 OR NOT identical
   message(FATAL_ERROR "variants: ${window_rows} window rows (${window_ms} ms), "
           "generation identical ${identical}, ${cached_s} s")
 endif()
+# Batched decoding (--quick: B = 3 prompts of 8..16 tokens, the first 16
+# and the last 8, 8 new tokens each): one left-padded cache gave what each
+# sequence gave alone, within the stated tolerance, and both ways were timed.
+string(JSON bd_passed GET "${json}" batched_decode passed)
+string(JSON bd_tolerance GET "${json}" batched_decode tolerance)
+string(JSON bd_rows LENGTH "${json}" batched_decode rows)
+string(JSON bd_batch GET "${json}" batched_decode rows 0 batch)
+string(JSON bd_count LENGTH "${json}" batched_decode rows 0 prompt_lengths)
+string(JSON bd_first GET "${json}" batched_decode rows 0 prompt_lengths 0)
+string(JSON bd_last GET "${json}" batched_decode rows 0 prompt_lengths 2)
+string(JSON bd_row_passed GET "${json}" batched_decode rows 0 passed)
+string(JSON bd_diff GET "${json}" batched_decode rows 0 max_abs_diff)
+string(JSON bd_batched GET "${json}" batched_decode rows 0 batched
+       decode_tokens_per_s)
+string(JSON bd_single GET "${json}" batched_decode rows 0 one_at_a_time
+       decode_tokens_per_s)
+string(JSON bd_speedup GET "${json}" batched_decode rows 0 decode_speedup)
+if(NOT bd_passed OR NOT bd_row_passed OR NOT bd_rows EQUAL 1 OR
+   NOT bd_batch EQUAL 3 OR NOT bd_count EQUAL 3 OR NOT bd_first EQUAL 16 OR
+   NOT bd_last EQUAL 8 OR
+   NOT bd_tolerance EQUAL 1e-05 OR NOT bd_diff LESS_EQUAL bd_tolerance OR
+   NOT bd_batched GREATER 0 OR NOT bd_single GREATER 0 OR
+   bd_batched GREATER bd_single AND NOT bd_speedup GREATER 1 OR
+   bd_batched LESS bd_single AND NOT bd_speedup LESS 1)
+  message(FATAL_ERROR "batched_decode: passed ${bd_passed}/${bd_row_passed}, "
+          "${bd_rows} rows, B ${bd_batch}, ${bd_count} lengths (${bd_first} "
+          "... ${bd_last}), max |diff| "
+          "${bd_diff} (tolerance ${bd_tolerance}), tokens/s batched "
+          "${bd_batched}, one at a time ${bd_single}, speedup ${bd_speedup}")
+endif()
+if(NOT quick_output MATCHES "\nbatched decoding: " OR
+   NOT quick_output MATCHES "\n +3 +[0-9]+ [^\n]*x  ok [0-9.e+-]+\n")
+  message(FATAL_ERROR "the batched decoding table is missing or failed:\n"
+          "${quick_output}")
+endif()
 expect_exit(2 --variants no-such-table)
+# Only the batched decoding table.
+expect_exit(0 --quick --config 1,8,8,2 --mode inference --gemm-size 32
+            --variants batched-decode --json ${WORK_DIR}/decode.json)
+file(READ ${WORK_DIR}/decode.json decode_json)
+string(JSON generation_type TYPE "${decode_json}" generation)
+string(JSON window_type TYPE "${decode_json}" window)
+string(JSON bd_passed GET "${decode_json}" batched_decode passed)
+if(NOT generation_type STREQUAL "NULL" OR NOT window_type STREQUAL "NULL" OR
+   NOT bd_passed)
+  message(FATAL_ERROR "--variants batched-decode: generation ${generation_type}, "
+          "window ${window_type}, batched_decode passed ${bd_passed}")
+endif()
 
 # Peak memory from a child process per measurement (the fallback).
 expect_exit(0 --quick --memory fork --config 1,32,16,2 --mode inference

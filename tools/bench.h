@@ -112,7 +112,8 @@ struct Settings {
   /// child arguments (`--memory-child N,L,E,H:MODE:CONTENDER`) are appended.
   std::vector<std::string> child_command;
   /// Self-test: shifts one bias element of mha's copy and of the SDPA
-  /// contender's: every check fails.
+  /// contender's: every check fails; batched decoding leaves out the
+  /// padding mask (BatchedDecodeOptions::plant_fault).
   bool plant_fault = false;
 };
 
@@ -224,6 +225,58 @@ struct Generation {
 };
 Generation measure_generation(int64_t prompt, int64_t new_tokens, int reps,
                               uint64_t seed);
+
+/// The model of the batched-decoding rows (bench_batched_decode.cpp): one
+/// Llama-like self-attention, MultiHeadAttention(embed_dim, num_heads)
+/// with num_kv_heads grouped key/value heads, rotary (half pairing,
+/// rotary_theta), no biases; random weights (seeded), eval, NoGradGuard,
+/// float32 on the settings' device.
+struct BatchedDecodeOptions {
+  int64_t embed_dim = 512;    ///< E
+  int64_t num_heads = 8;      ///< H
+  int64_t num_kv_heads = 2;   ///< Hkv
+  double rotary_theta = 1e4;  ///< rotary base
+  int64_t max_prompt = 64;    ///< P: prompt lengths in [P/2, P]
+  int64_t new_tokens = 32;    ///< G decoding steps per sequence
+  int reps = 5;               ///< timed runs of each way (after one untimed)
+  double tolerance = 1e-5;    ///< max |batched - alone| allowed (float32)
+  /// Self-test (Settings::plant_fault): the batched way passes no
+  /// key_padding_mask, so the pads are attended: the check fails.
+  bool plant_fault = false;
+};
+
+/// One batch size of the batched-decoding table. Two ways decode the same
+/// B prompts (random embeddings (P_b, E), P_b drawn in [P/2, P]; with
+/// B > 1 the first is P long and the last P/2):
+///   batched: one KVCache (B, capacity max P_b + G); the prompts
+///     left-padded (random pad embeddings) to max P_b in one prefill
+///     call with key_padding_mask (true at the pads) and positions
+///     cumsum(keep) - 1 (pads at 0), as Hugging Face's generate; then G
+///     forward_cached calls of (B, 1, E) with the padding mask over cache
+///     + new token and positions P_b + g;
+///   one at a time: each prompt alone in a cleared batch-1 KVCache (default
+///     positions, no mask), then its G steps of (1, 1, E).
+/// Each step's input is layer_norm(x + y) (no affine) of the previous
+/// step's input x and output y at the sequence's last token, so the steps
+/// form an autoregressive chain. Prefill and decode are timed separately
+/// (synchronised): decode tokens/s = B·G / decode time.
+struct BatchedDecodeRow {
+  int64_t batch = 0;                    ///< B
+  std::vector<int64_t> prompt_lengths;  ///< P_b
+  double batched_prefill_ms = 0;        ///< medians over the timed runs
+  double batched_decode_ms = 0;
+  double single_prefill_ms = 0;  ///< one at a time: sum over the prompts
+  double single_decode_ms = 0;
+  /// Every timed run's decode ms, in the order measured.
+  std::vector<double> batched_decode_samples_ms, single_decode_samples_ms;
+  /// max |batched - alone| over the prompts' real tokens and every decode
+  /// step's output, of the untimed first run.
+  double max_abs_diff = 0;
+  bool passed = false;  ///< max_abs_diff <= tolerance
+};
+BatchedDecodeRow measure_batched_decode(int64_t batch,
+                                        const BatchedDecodeOptions& options,
+                                        const Settings& settings);
 
 /// True when mha-bench was built against LibTorch >= 2.0, whose public
 /// at::scaled_dot_product_attention the projections+SDPA contender calls.

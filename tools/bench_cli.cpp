@@ -82,14 +82,18 @@ void add_options(CLI::App& app, Args& args) {
                  "comma-separated): window (causal cost with and without a "
                  "256-key sliding window, L = 1024..8192), generation "
                  "(mha-train's default char LM, 256 characters after a "
-                 "256-character prompt, KV cache vs recomputation), none; "
-                 "default: both")
+                 "256-character prompt, KV cache vs recomputation; and "
+                 "batched-decode), batched-decode (B prompts of different "
+                 "lengths through one left-padded KV cache vs one at a "
+                 "time, tokens/s, outputs compared), none; default: all")
       ->delimiter(',')
-      ->check(CLI::IsMember({"window", "generation", "none"}));
+      ->check(
+          CLI::IsMember({"window", "generation", "batched-decode", "none"}));
   app.add_option("--memory-child", args.memory_child_spec)->group("");
   app.add_flag("--plant-fault", args.plant_fault,
                "self-test: shift one bias of mha's and the SDPA contender's "
-               "copies (checks FAIL)")
+               "copies, leave batched decoding's padding mask out (checks "
+               "FAIL)")
       ->group("");
 }
 

@@ -1,7 +1,8 @@
 // mha-bench's report: the environment lines (with the GEMM ceiling), one
 // table row per (configuration, mode), the sliding-window and generation
-// tables, the summary and the --json document. Every number is measured in
-// bench.cpp / bench_variants.cpp and formatted here, once.
+// tables (with batched decoding), the summary and the --json document. Every
+// number is measured in bench.cpp / bench_batched_decode.cpp and formatted
+// here, once.
 //
 // Glossary: N batch, L sequence length (S = L), E embed_dim, H num_heads,
 // F dim_feedforward (4E in the encoder rows).
@@ -212,6 +213,98 @@ nlohmann::json generation_table(bool quick, uint64_t seed, bool& differs) {
           {"identical", g.identical}};
 }
 
+/// The batched-decoding table (B prompts through one left-padded cache vs
+/// one at a time): measured, printed, and its JSON; `failed` when a batch
+/// size's outputs differ from the sequences decoded alone.
+nlohmann::json batched_decode_table(bool quick, const Settings& settings,
+                                    bool& failed) {
+  BatchedDecodeOptions o;
+  o.reps = 7;
+  o.plant_fault = settings.plant_fault;
+  std::vector<int64_t> batches = {1, 8, 32};
+  if (quick) {
+    o.embed_dim = 32;
+    o.num_heads = 4;
+    o.max_prompt = 16;
+    o.new_tokens = 8;
+    o.reps = 1;
+    batches = {3};
+  }
+  fmt::print(
+      "\nbatched decoding: MultiHeadAttention({}, {}), num_kv_heads {}, "
+      "rotary, no bias (Llama-like), float32 on {}, no grad; B prompts of "
+      "{}..{} tokens, {} new tokens each;\n  batched: one KVCache, prompts "
+      "left-padded, key_padding_mask + positions cumsum(mask) - 1 (HF); one "
+      "at a time: each prompt in its own cache;\n  next input = "
+      "layer_norm(input + output) of the last token (no affine); prefill "
+      "and decode timed apart, tokens/s = B*G / decode time; median of {} "
+      "runs;\n  check: max |batched - alone| over every prompt token and "
+      "step, tolerance {:.0e}\n",
+      o.embed_dim, o.num_heads, o.num_kv_heads, settings.device.str(),
+      o.max_prompt / 2, o.max_prompt, o.new_tokens, o.reps, o.tolerance);
+  constexpr char kHeadFormat[] =
+      "{:>4} {:>7}   {:>10} {:>10} {:>9}   {:>10} {:>10} {:>9}  {:>7}  {}\n";
+  fmt::print("{:>4} {:>7}   {:<31}   {}\n", "", "prompt",
+             "one at a time (own caches)", "batched (one cache)");
+  fmt::print(kHeadFormat, "B", "tokens", "prefill ms", "decode ms", "tokens/s",
+             "prefill ms", "decode ms", "tokens/s", "speedup",
+             "check (max |batched - alone|)");
+  auto rows = nlohmann::json::array();
+  failed = false;
+  for (const auto batch : batches) {
+    const auto r = measure_batched_decode(batch, o, settings);
+    const double tokens = static_cast<double>(batch * o.new_tokens);
+    const double single_rate = tokens / (r.single_decode_ms * 1e-3);
+    const double batched_rate = tokens / (r.batched_decode_ms * 1e-3);
+    int64_t prompt_tokens = 0;
+    for (const auto p : r.prompt_lengths) {
+      prompt_tokens += p;
+    }
+    failed = failed || !r.passed;
+    fmt::print(
+        "{:>4} {:>7}   {:>10.2f} {:>10.2f} {:>9.0f}   {:>10.2f} {:>10.2f} "
+        "{:>9.0f}  {:>6.2f}x  {} {:.1e}\n",
+        batch, prompt_tokens, r.single_prefill_ms, r.single_decode_ms,
+        single_rate, r.batched_prefill_ms, r.batched_decode_ms, batched_rate,
+        single_rate > 0 ? batched_rate / single_rate : 0.0,
+        r.passed ? "ok" : "FAIL", r.max_abs_diff);
+    rows.push_back({{"batch", batch},
+                    {"prompt_lengths", r.prompt_lengths},
+                    {"one_at_a_time",
+                     {{"prefill_ms", r.single_prefill_ms},
+                      {"decode_ms", r.single_decode_ms},
+                      {"decode_ms_samples", r.single_decode_samples_ms},
+                      {"decode_tokens_per_s", single_rate}}},
+                    {"batched",
+                     {{"prefill_ms", r.batched_prefill_ms},
+                      {"decode_ms", r.batched_decode_ms},
+                      {"decode_ms_samples", r.batched_decode_samples_ms},
+                      {"decode_tokens_per_s", batched_rate}}},
+                    {"decode_speedup", batched_rate / single_rate},
+                    {"max_abs_diff", r.max_abs_diff},
+                    {"passed", r.passed}});
+  }
+  fmt::print(
+      "  one at a time: prefill and decode ms summed over the B prompts; "
+      "speedup = batched / one-at-a-time decode tokens/s\n");
+  std::fflush(stdout);
+  return {{"embed_dim", o.embed_dim},
+          {"num_heads", o.num_heads},
+          {"num_kv_heads", o.num_kv_heads},
+          {"rotary_theta", o.rotary_theta},
+          {"device", settings.device.str()},
+          {"dtype", "float32"},
+          {"prompt_min", o.max_prompt / 2},
+          {"prompt_max", o.max_prompt},
+          {"new_tokens", o.new_tokens},
+          {"reps", o.reps},
+          {"next_input", "layer_norm(input + output), no affine"},
+          {"tokens_per_s", "B*G / decode time (prefill excluded)"},
+          {"tolerance", o.tolerance},
+          {"rows", rows},
+          {"passed", !failed}};
+}
+
 }  // namespace
 
 Environment read_environment(const Settings& settings,
@@ -352,6 +445,11 @@ Variants run_variants(const Args& args, const Settings& settings) {
     v.generation =
         generation_table(args.quick, args.seed, v.generation_differs);
   }
+  if (wants("generation") || wants("batched-decode")) {
+    bool failed = false;
+    v.batched_decode = batched_decode_table(args.quick, settings, failed);
+    v.generation_differs = v.generation_differs || failed;
+  }
   return v;
 }
 
@@ -439,7 +537,9 @@ void print_footer(const Summary& summary, const std::vector<Mode>& modes,
                      "the row was not timed; of sdpa: sdpa was not timed)"
                : summary.errors > 0
                    ? "a contender threw an error"
-                   : "generation through the KV cache gave other characters");
+                   : "generation differs: the char LM through the KV "
+                     "cache gave other characters, or batched decoding "
+                     "other outputs than one sequence at a time");
   }
 }
 
@@ -494,6 +594,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
   doc["rows"] = json_rows;
   doc["window"] = variants.window;
   doc["generation"] = variants.generation;
+  doc["batched_decode"] = variants.batched_decode;
   doc["summary"] = {
       {"rows", rows.size()},
       {"results_differ", summary.wrong},

@@ -24,7 +24,7 @@ struct Args {
   bool quick = false;
   std::vector<std::string> config_texts;   ///< "N,L,E,H"
   std::vector<std::string> mode_texts;     ///< "" = every mode
-  std::vector<std::string> variant_texts;  ///< "" = window and generation
+  std::vector<std::string> variant_texts;  ///< "" = every table
   int reps = 0;
   int warmup = 1;
   int threads = 2;
@@ -84,11 +84,17 @@ void warm_up(const std::vector<Mode>& modes, const Settings& settings);
 /// One table row, and the error lines of a contender that threw.
 void print_row(const RowResult& row, MemoryMethod memory);
 
-/// The variants' tables (window, generation): not comparisons with
-/// torch::nn. Each measured and printed when --variants asks for it.
+/// The variants' tables (window, generation, batched decoding): not
+/// comparisons with torch::nn. Each measured and printed when --variants
+/// asks for it ("generation" prints the char LM line and the batched
+/// decoding table; "batched-decode" the table alone; the char LM line is
+/// CPU only).
 struct Variants {
   nlohmann::json window = nullptr;
   nlohmann::json generation = nullptr;
+  nlohmann::json batched_decode = nullptr;
+  /// The char LM's cached characters differ from the recomputed ones, or
+  /// batched decoding's outputs from one sequence at a time's.
   bool generation_differs = false;
 };
 Variants run_variants(const Args& args, const Settings& settings);
