@@ -1,13 +1,11 @@
 # CTest docs.links and docs.code_blocks over README.md and docs/*.md.
-#   cmake -DSOURCE_DIR=... -DCHECK=links|code_blocks [-DPENDING=path;...]
+#   cmake -DSOURCE_DIR=... -DCHECK=links|code_blocks
 #         -P check_docs.cmake
 # links: every Markdown link that is not a URL ([text](path), [text](#id),
 #   [text](path#id), ![alt](picture)) names a file or directory that exists,
 #   relative to the page, and its #anchor is a heading of the target page:
 #   an explicit {#id} (Doxygen's, which the site uses) or the id GitHub
 #   derives from the heading's text. Links inside code are not links.
-#   PENDING lists paths that another change adds (reported, not failed,
-#   while they are missing).
 # code_blocks: every ```cpp block of a guide sits right below the marker
 #   that tests/guide_blocks.cmake extracts for tests/test_guides.cpp, and
 #   the README's below the marker of tests/test_readme_example.cpp; C++
@@ -120,13 +118,8 @@ foreach(page IN LISTS pages)
       endif()
       file(RELATIVE_PATH resolved_name ${SOURCE_DIR} ${resolved})
       if(NOT EXISTS ${resolved})
-        if(resolved_name IN_LIST PENDING)
-          message("${page_name}:${number}: ${target}: pending (added by "
-                  "another change; not checked until it exists)")
-        else()
-          string(APPEND errors "${page_name}:${number}: ${target}: "
-                 "${resolved_name} does not exist\n")
-        endif()
+        string(APPEND errors "${page_name}:${number}: ${target}: "
+               "${resolved_name} does not exist\n")
         continue()
       endif()
       if(NOT anchor STREQUAL "")

@@ -3,13 +3,11 @@
 # its log: an undocumented public name, a broken \ref or link, a documented
 # parameter that does not exist. Then every local link of the generated
 # site must name a file of the site or, for the README's and guides' links
-# into the source tree (examples/), one there; PENDING lists names another
-# change adds (reported, not failed, while missing).
+# into the source tree (examples/), one there.
 # Skipped (SKIP_REGULAR_EXPRESSION on its message) when CMake found no
 # doxygen.
 #   cmake -DDOXYGEN=... -DDOXYFILE=... -DWARN_LOG=... -DHTML_DIR=...
-#         -DSOURCE_DIR=...
-#         [-DPENDING=name;...] -P check_doxygen.cmake
+#         -DSOURCE_DIR=... -P check_doxygen.cmake
 cmake_minimum_required(VERSION 3.21)
 
 if(NOT DOXYGEN)
@@ -48,14 +46,8 @@ foreach(page IN LISTS pages)
     get_filename_component(from_guide "${SOURCE_DIR}/docs/${target}" ABSOLUTE)
     if(NOT EXISTS "${resolved}" AND NOT EXISTS "${from_readme}"
        AND NOT EXISTS "${from_guide}")
-      string(REGEX REPLACE "/$" "" name "${target}")
-      get_filename_component(name "${name}" NAME)
       get_filename_component(page_name ${page} NAME)
-      if(name IN_LIST PENDING)
-        message("${page_name}: ${target}: pending (added by another change)")
-      else()
-        string(APPEND broken "${page_name}: ${target}\n")
-      endif()
+      string(APPEND broken "${page_name}: ${target}\n")
     endif()
   endforeach()
 endforeach()

@@ -2,9 +2,12 @@
 # installs that mha build into a scratch prefix for find_package(mha), and
 # also compiles the consumer's main.cpp with nothing but the flags of
 # `pkg-config --cflags --libs mha`; with MHA_SOURCE_DIR, the consumer builds
-# mha itself with add_subdirectory.
+# mha itself with add_subdirectory. With CTEST (the ctest program), the
+# consumer's own CTest tests are run instead of its programs (examples/).
 # Variables: MHA_BINARY_DIR or MHA_SOURCE_DIR, CONSUMER_SOURCE_DIR, WORK_DIR,
-# GENERATOR, TORCH_DIR (LibTorch's CMake folder), CXX (the compiler).
+# GENERATOR, TORCH_DIR (LibTorch's CMake folder), CXX (the compiler);
+# optional CTEST, and CONSUMER_OPTIONS: more -D options for the consumer's
+# configure, separated by '|'.
 file(REMOVE_RECURSE ${WORK_DIR})
 function(run)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
@@ -13,6 +16,10 @@ function(run)
   endif()
 endfunction()
 set(extra -DTorch_DIR=${TORCH_DIR} -DCMAKE_CXX_COMPILER=${CXX})
+if(CONSUMER_OPTIONS)
+  string(REPLACE "|" ";" options "${CONSUMER_OPTIONS}")
+  list(APPEND extra ${options})
+endif()
 if(MHA_BINARY_DIR)
   run(${CMAKE_COMMAND} --install ${MHA_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
   list(APPEND extra -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
@@ -22,6 +29,14 @@ endif()
 run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build
     -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release ${extra})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+if(CTEST)
+  execute_process(COMMAND ${CTEST} --output-on-failure --no-tests=error
+                  WORKING_DIRECTORY ${WORK_DIR}/build RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "the tests of ${CONSUMER_SOURCE_DIR} failed (${rc})")
+  endif()
+  return()
+endif()
 run(${WORK_DIR}/build/consumer)
 if(MHA_BINARY_DIR)
   run(${WORK_DIR}/build/consumer_train)
