@@ -371,9 +371,19 @@ TEST_F(NonFiniteTest, FullyMaskedRowIsDecidedByTheMaskNotTheData) {
       auto q_bad = q0.clone();
       q_bad[0][0][2].fill_(value);
       auto [out, grad] = run(q_bad);
+      const auto bad_path = mha::detail::last_attention_path();
       auto [out_ok, grad_ok] = run(q0);
-      EXPECT_TRUE(torch::equal(out, out_ok));
-      EXPECT_TRUE(torch::equal(grad, grad_ok));
+      if (bad_path == mha::detail::last_attention_path()) {
+        EXPECT_TRUE(torch::equal(out, out_ok));
+        EXPECT_TRUE(torch::equal(grad, grad_ok));
+      } else {
+        // LibTorch >= 2.5's fused kernel (the chosen path there) turns the
+        // masked row's NaN into NaN and the call is recomputed on the
+        // blocked path (attention_core.cpp): the same values up to that
+        // path's rounding.
+        EXPECT_TRUE(torch::allclose(out, out_ok, 1e-6, 1e-6));
+        EXPECT_TRUE(torch::allclose(grad, grad_ok, 1e-6, 1e-6));
+      }
       EXPECT_EQ(out[0][0][2].abs().sum().item<double>(), 0.0);
     }
   }
