@@ -12,11 +12,16 @@ set(tiny --max-len 6 --d-model 32 --heads 2 --layers 1 --ff 64 --dropout 0.1
     --batch-size 32 --steps 120 --warmup 4 --eval-every 10
     --checkpoint-every 3 --eval-sequences 50 --quiet)
 
+string(TIMESTAMP start "%s%f" UTC)
 execute_process(COMMAND ${TOOL} ${tiny} --out ${WORK_DIR}/whole RESULT_VARIABLE rc
                 OUTPUT_VARIABLE out ERROR_VARIABLE err)
+string(TIMESTAMP end "%s%f" UTC)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "the uninterrupted run failed (${rc}):\n${out}${err}")
 endif()
+# Its wall time in centiseconds: the kills below are timed from it, so that
+# a loaded machine (slower start-up and steps) moves them along.
+math(EXPR whole_cs "(${end} - ${start}) / 10000")
 
 # The checkpoint's trainer.pt (or, after a kill between the two renames
 # of its swap, the one save_checkpoint moved aside), hashed: "" when none.
@@ -32,14 +37,22 @@ endfunction()
 
 # Runs killed after `delay` seconds, one after another, each continuing from
 # the checkpoint the previous one left (afresh while there is none). The
-# delay grows by 1 s after a kill that left no new checkpoint (start-up
-# takes seconds on a loaded machine), and by 0.37 s otherwise, so that the
+# first delay is 40 % of the uninterrupted run's time (at least 1 s); it
+# grows by 10 % of that time after a kill that left no new checkpoint
+# (start-up was slower than the kill), and by 0.37 s otherwise, so that the
 # kills fall at different moments of the checkpoint cycle.
 set(kills 0)
 set(kills_after_progress 0)
 set(finished FALSE)
-set(delay_cs 200)  # centiseconds
-set(delay 2.00)
+math(EXPR delay_cs "${whole_cs} * 4 / 10")  # centiseconds
+if(delay_cs LESS 100)
+  set(delay_cs 100)
+endif()
+math(EXPR grow_cs "${whole_cs} / 10 + 1")
+math(EXPR whole "${delay_cs} / 100")
+math(EXPR frac "${delay_cs} % 100 + 100")  # two digits, after the "1"
+string(SUBSTRING ${frac} 1 2 frac)
+set(delay "${whole}.${frac}")
 foreach(attempt RANGE 1 12)
   if(kills_after_progress GREATER_EQUAL 4)
     break()
@@ -66,13 +79,11 @@ foreach(attempt RANGE 1 12)
     math(EXPR kills_after_progress "${kills_after_progress} + 1")
     math(EXPR delay_cs "${delay_cs} + 37")
   else()
-    math(EXPR delay_cs "${delay_cs} + 100")
+    math(EXPR delay_cs "${delay_cs} + ${grow_cs}")
   endif()
   math(EXPR whole "${delay_cs} / 100")
-  math(EXPR frac "${delay_cs} % 100")
-  if(frac LESS 10)
-    set(frac "0${frac}")
-  endif()
+  math(EXPR frac "${delay_cs} % 100 + 100")
+  string(SUBSTRING ${frac} 1 2 frac)
   set(delay "${whole}.${frac}")
 endforeach()
 if(kills_after_progress LESS 2)
@@ -109,4 +120,5 @@ if(NOT rows EQUAL 121 OR NOT whole_losses STREQUAL killed_losses)
                       "${killed_losses}")
 endif()
 message(STATUS "${kills} kills (${kills_after_progress} after a new "
-               "checkpoint), resumed to the same ${rows} loss rows")
+               "checkpoint; the whole run took ${whole_cs} cs), resumed to "
+               "the same ${rows} loss rows")
