@@ -242,7 +242,9 @@ nlohmann::json batched_decode_table(bool quick, const Settings& settings,
       "step, tolerance {:.0e}\n",
       o.embed_dim, o.num_heads, o.num_kv_heads, settings.device.str(),
       o.max_prompt / 2, o.max_prompt, o.new_tokens, o.reps, o.tolerance);
-  constexpr char kHeadFormat[] =
+  // static: fmt 11 (C++20) checks the format at compile time, which needs
+  // the array's address to be a constant.
+  static constexpr char kHeadFormat[] =
       "{:>4} {:>7}   {:>10} {:>10} {:>9}   {:>10} {:>10} {:>9}  {:>7}  {}\n";
   fmt::print("{:>4} {:>7}   {:<31}   {}\n", "", "prompt",
              "one at a time (own caches)", "batched (one cache)");
