@@ -76,7 +76,7 @@ consumer-build/consumer_train
 step "consumer with pkg-config --cflags --libs mha"
 echo "pkg-config --cflags --libs mha: $(pkg-config --cflags --libs mha)"
 # shellcheck disable=SC2046  # the flags are meant to split
-g++ -std=c++17 -O1 consumer/main.cpp $(pkg-config --cflags --libs mha) -o consumer-pkg-config
+g++ -O1 consumer/main.cpp $(pkg-config --cflags --libs mha) -o consumer-pkg-config
 ./consumer-pkg-config
 
 step "examples/ against the installed package"

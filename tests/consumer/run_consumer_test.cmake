@@ -55,7 +55,8 @@ if(MHA_BINARY_DIR)
     message(FATAL_ERROR "pkg-config --cflags --libs mha failed (${rc})")
   endif()
   separate_arguments(pc_flags UNIX_COMMAND "${pc_flags}")
-  run(${CXX} -std=c++17 -O1 ${CONSUMER_SOURCE_DIR}/main.cpp ${pc_flags}
+  # No -std here: mha.pc's Cflags name the standard mha was built with.
+  run(${CXX} -O1 ${CONSUMER_SOURCE_DIR}/main.cpp ${pc_flags}
       -o ${WORK_DIR}/consumer_pkg_config)
   run(${WORK_DIR}/consumer_pkg_config)
 else()
