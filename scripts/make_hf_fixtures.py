@@ -6,7 +6,7 @@ input and output of one attention layer, for tests/test_hf.cpp.
 Each case directory holds the checkpoint as transformers writes it
 (config.json and model.safetensors, or shards with their index, or
 pytorch_model.bin) and reference.safetensors in the format of
-record_reference.py (README, "Porting a Hugging Face model") with
+record_reference.py (docs/porting.md, "Prove your port") with
 __metadata__ model_dir "." instead of the layer's tensors. Models are float32
 with eager attention; weights are redrawn N(0, 0.2) so that attention is far
 from uniform. Run in the sid chroot (transformers 5.x, torch 2.x):

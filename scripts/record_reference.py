@@ -2,8 +2,7 @@
 """Records one attention layer of a Hugging Face transformers model into a
 reference file that `mha-parity --reference FILE` checks mha against.
 
-The file is safetensors (format in README.md, "Porting a Hugging Face
-model"): the layer's input `hidden_states` (N, L, E), the model's
+The file is safetensors (format in docs/porting.md, "Prove your port"): the layer's input `hidden_states` (N, L, E), the model's
 `attention_mask` (N, S) (1 = keep, as transformers), `position_ids` (N, L),
 the attention module's `output` (N, L, E) (what mha::MultiHeadAttention
 returns: before any residual) and per-head `weights` (N, H, L, S), plus the

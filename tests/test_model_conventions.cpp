@@ -411,7 +411,7 @@ TEST_F(ModelConventionsTest, SequenceLengthScalingsFollowEachCall) {
   }
 }
 
-// The README's example (section "Conventions of real model families"),
+// The example of docs/decoding.md (the left-padded batch),
 // copied verbatim: shapes, and the padded rows of the shorter prompt.
 TEST_F(ModelConventionsTest, ReadmeExampleRuns) {
   // Two prompts of 3 and 1 tokens, left-padded to 3 (HF: attention_mask

@@ -58,7 +58,8 @@ constexpr TaskDefaults kCharDefaults = {
     /*dropout=*/0.1,
 };
 
-// Addition: a 2 + 2-layer, 64-wide encoder-decoder (measured: see README).
+// Addition: a 2 + 2-layer, 64-wide encoder-decoder (measured: see
+// docs/training.md).
 constexpr TaskDefaults kAddDefaults = {
     /*steps=*/1000,
     /*batch_size=*/64,

@@ -2,7 +2,7 @@
 // or 5.x to the options of one layer's self-attention, family by family.
 // Facts from transformers' configuration_<family>.py and
 // modeling_<family>.py (and modeling_rope_utils.py for rope_parameters);
-// README.md, "Porting a Hugging Face model", lists the keys read.
+// docs/porting.md, "Porting a Hugging Face model", lists the keys read.
 //
 // Glossary: E hidden size, H query heads, Hkv key/value heads, D head_dim.
 #include <cmath>

@@ -1,7 +1,7 @@
 // Recorded references (include/mha/parity.h): mha against the input and
 // output of one attention layer recorded from a Python model by
 // scripts/record_reference.py, the module built by mha::hf. The file format
-// is in README.md ("Porting a Hugging Face model").
+// is in docs/porting.md ("Prove your port").
 //
 // Glossary: N batch, L query rows of a forward, S keys (L, or the cache
 // length plus T in a cached step), T new tokens of a step, E hidden size,
