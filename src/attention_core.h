@@ -173,8 +173,12 @@ enum class KeptWeights {
 /// spread over ATen's threads (for_each_item). Backward (a custom autograd
 /// function) uses each block's weights kept by forward or, for large
 /// problems (`kept`), recomputes them block by block: memory then
-/// O(block_rows · S) per thread besides the inputs and outputs. Same
-/// contract as attention_core, without dropout.
+/// O(block_rows · S) per thread besides the inputs and outputs. Calls with
+/// L <= 32 and N·H·L·S <= 2^20 (a decoding step, short chunks) and
+/// block_rows 0 are one block of all heads instead: each step one batched
+/// call per share of the (n, key/value head) pairs, the grouped query heads
+/// stacked by rows, no per-head calls. Same contract as attention_core,
+/// without dropout.
 AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& key,
                                   const torch::Tensor& value,

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -198,6 +199,35 @@ inline void fused_softmax_rows(torch::Tensor& p, const RowLimits& limits,
   (void)limits;
   (void)bias;
   TORCH_CHECK(false, "fused_softmax_rows: not available on this CPU");
+#endif
+}
+
+/// fused_softmax_rows on each of the M matrices of p (M, rows, cols),
+/// contiguous float32, with the same limits for every matrix; `bias`, when
+/// not empty, holds one pointer per matrix, each as fused_softmax_rows'
+/// `bias` for that matrix. One parallel loop over all M·rows rows. Call
+/// only when fused_softmax_available().
+inline void fused_softmax_matrices(torch::Tensor& p, const RowLimits& limits,
+                                   const std::vector<const float*>& bias) {
+#if MHA_FUSED_SOFTMAX_X86
+  const int64_t rows = p.size(1), cols = p.size(2);
+  float* data = p.data_ptr<float>();
+  const int64_t grain =
+      std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1));
+  at::parallel_for(
+      0, p.size(0) * rows, grain, [&](int64_t row_begin, int64_t row_end) {
+        for (int64_t g = row_begin; g < row_end; ++g) {
+          const int64_t r = g % rows;
+          const float* b = bias.empty() ? nullptr : bias[g / rows] - r;
+          softmax_row_avx2(data + g * cols, b, limits.begin(r, cols),
+                           limits.end(r, cols), cols);
+        }
+      });
+#else
+  (void)p;
+  (void)limits;
+  (void)bias;
+  TORCH_CHECK(false, "fused_softmax_matrices: not available on this CPU");
 #endif
 }
 

@@ -888,7 +888,8 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathEqualsExplicitPath) {
             auto mask = mha::merge_masks({c.mask}, dtype);
             for (auto mode : {WeightsMode::kNone, WeightsMode::kPerHead,
                               WeightsMode::kAverage}) {
-              for (int64_t block : {1, 2, 3, 4, 16}) {
+              // 0: the default, here one block of all heads (batched).
+              for (int64_t block : {0, 1, 2, 3, 4, 16}) {
                 SCOPED_TRACE(
                     c.name + ", " + std::string(c10::toString(dtype)) +
                     ", L=" + std::to_string(L) + ", S=" + std::to_string(S) +
@@ -1044,14 +1045,19 @@ TEST_F(ScaledDotProductAttentionTest, GroupedKeyValueHeadsOnEveryPath) {
     for (int threads : {1, 2}) {
       const IntraOpThreads set_threads(threads);
       for (auto kept : {KeptWeights::kAlways, KeptWeights::kNever}) {
-        paths.emplace_back(
-            "blocked, " + std::to_string(threads) + " threads, weights " +
-                (kept == KeptWeights::kAlways ? "kept" : "recomputed"),
-            run([&](const torch::Tensor& qg, const torch::Tensor& kg,
-                    const torch::Tensor& vg) {
-              return mha::detail::blocked_attention(
-                  qg, kg, vg, mask, true, 0.5, WeightsMode::kPerHead, 4, kept);
-            }));
+        // Blocks of 4 rows, and the default: one block of all heads.
+        for (int64_t block : {4, 0}) {
+          paths.emplace_back(
+              "blocked, " + std::to_string(threads) + " threads, block " +
+                  std::to_string(block) + ", weights " +
+                  (kept == KeptWeights::kAlways ? "kept" : "recomputed"),
+              run([&](const torch::Tensor& qg, const torch::Tensor& kg,
+                      const torch::Tensor& vg) {
+                return mha::detail::blocked_attention(
+                    qg, kg, vg, mask, true, 0.5, WeightsMode::kPerHead, block,
+                    kept);
+              }));
+        }
       }
     }
     paths.emplace_back("core, explicit (mask needs a gradient)",

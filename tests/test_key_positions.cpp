@@ -155,7 +155,9 @@ TEST_F(KeyPositionsTest, CorePathsMatchDenseReference) {
             KeyPositions positions(c.causal);
             positions.diagonal = c.diagonal;
             positions.window = c.window;
-            for (int path = 0; path < 4; ++path) {
+            // 0, 4: one block of all heads (recomputed, kept); 1, 2:
+            // blocks of 2 and 3 rows; 3: explicit.
+            for (int path = 0; path < 5; ++path) {
               SCOPED_TRACE("path " + std::to_string(path));
               auto qg = q.clone().requires_grad_();
               auto kg = k.clone().requires_grad_();
@@ -170,11 +172,12 @@ TEST_F(KeyPositionsTest, CorePathsMatchDenseReference) {
                 r = mha::detail::explicit_attention(qg, kg, vg, {}, positions,
                                                     0.0, 0.4, mode);
               } else {
-                const int64_t block = path == 0 ? 0 : (path == 1 ? 2 : 3);
+                const int64_t block =
+                    path == 0 || path == 4 ? 0 : (path == 1 ? 2 : 3);
                 r = mha::detail::blocked_attention(
                     qg, kg, vg, {}, positions, 0.4, mode, block,
-                    path == 2 ? mha::detail::KeptWeights::kAlways
-                              : mha::detail::KeptWeights::kNever);
+                    path == 2 || path == 4 ? mha::detail::KeptWeights::kAlways
+                                           : mha::detail::KeptWeights::kNever);
               }
               auto loss = (r.output * g_out).sum();
               if (mode != WeightsMode::kNone) {
@@ -202,7 +205,8 @@ TEST_F(KeyPositionsTest, CorePathsMatchDenseReference) {
 // float32 through the fused softmax (bias and limits inside the kernel)
 // against the float64 reference.
 TEST_F(KeyPositionsTest, Float32BlockedPathMatchesReference) {
-  const int64_t L = 70, S = 90, H = 2, D = 16;
+  // L <= 32: the default is one block of all heads (kOneBlockRows).
+  const int64_t L = 30, S = 50, H = 2, D = 16;
   for (bool causal : {false, true}) {
     for (int64_t window : {0, 9}) {
       SCOPED_TRACE(std::string(causal ? "causal" : "") +
@@ -214,14 +218,17 @@ TEST_F(KeyPositionsTest, Float32BlockedPathMatchesReference) {
       positions.diagonal = S - L;
       positions.window = window;
       positions.relative_bias = rb;
-      auto r = mha::detail::blocked_attention(q, k, v, {}, positions, 0.25,
-                                              WeightsMode::kPerHead, 16);
       auto mask =
           limits_by_hand(L, S, causal, S - L, window) + bias_by_hand(rb, L, S);
       auto [out, w] = attend(q.to(torch::kFloat64), k.to(torch::kFloat64),
                              v.to(torch::kFloat64), mask, 0.25);
-      expect_close(r.output, out, 2e-5, 2e-5, "output");
-      expect_close(r.weights, w, 2e-6, 2e-5, "weights");
+      // Blocks of 16 rows, and the default: one block of all heads.
+      for (int64_t block : {16, 0}) {
+        auto r = mha::detail::blocked_attention(q, k, v, {}, positions, 0.25,
+                                                WeightsMode::kPerHead, block);
+        expect_close(r.output, out, 2e-5, 2e-5, "output");
+        expect_close(r.weights, w, 2e-6, 2e-5, "weights");
+      }
     }
   }
 }

@@ -165,6 +165,17 @@ std::vector<Path> paths() {
          return blocked_attention(q, k, v, m, pos, kScale, WeightsMode::kNone,
                                   /*block_rows=*/2, KeptWeights::kNever);
        }},
+      {"blocked, one block of all heads (weights kept)", false,
+       [](auto& q, auto& k, auto& v, auto& m, auto& pos) {
+         return blocked_attention(q, k, v, m, pos, kScale,
+                                  WeightsMode::kPerHead, /*block_rows=*/0,
+                                  KeptWeights::kAlways);
+       }},
+      {"blocked, one block of all heads (recomputed)", false,
+       [](auto& q, auto& k, auto& v, auto& m, auto& pos) {
+         return blocked_attention(q, k, v, m, pos, kScale, WeightsMode::kNone,
+                                  /*block_rows=*/0, KeptWeights::kNever);
+       }},
       {"attention_core (chosen path)", true,
        [](auto& q, auto& k, auto& v, auto& m, auto& pos) {
          return attention_core(q, k, v, m, pos, 0.0, kScale,
