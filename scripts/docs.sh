@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
 # Builds the API reference and the guides with Doxygen:
 # build/docs/html/index.html (the README is its front page). Installs what
-# is missing (scripts/setup.sh), configures ./build if needed, and prints
+# is missing and configures ./build (scripts/configure.sh), and prints
 # Doxygen's warnings (CTest docs.doxygen fails on any).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/configure.sh
 BUILD_DIR=${BUILD_DIR:-build}
-generator=()
-if command -v ninja >/dev/null && [[ ! -f $BUILD_DIR/CMakeCache.txt ]]; then
-  generator=(-G Ninja)
-fi
-cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" --target docs
 log="$BUILD_DIR/docs/doxygen-warnings.log"
 if [[ -s $log ]]; then
