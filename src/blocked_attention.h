@@ -1,0 +1,89 @@
+// Internal: what the two forms of the blocked CPU path share. Not
+// installed. blocked_attention.cpp: query rows in blocks per (batch, head),
+// the blocks spread over threads; one_block_attention.cpp: short calls as
+// one block of all heads, with batched calls.
+//
+// Glossary: N batch, H query heads, Hkv key/value heads, L target (query)
+// length, S source (key) length, D and Dv the query/key and value features.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+
+#include "attention_core.h"
+#include "fused_softmax.h"
+
+namespace mha::detail {
+
+/// What every block of one call shares.
+struct BlockedSpec {
+  torch::Tensor mask;     // additive, 4-D broadcastable to (N, H, L, S), or {}
+  torch::Tensor blocked;  // mask == -inf, same shape, or {}
+  // (Nb, Hb, L) bool, true at the fully masked query rows (fully_masked_rows),
+  // or {} when there is none.
+  torch::Tensor empty;
+  KeyPositions positions;  // its relative_bias travels as an input instead
+  double scale = 1.0;
+  WeightsMode weights = WeightsMode::kNone;
+  int64_t block_rows = 0;
+  // Keep every block's weights for backward instead of recomputing them.
+  bool keep_weights = false;
+  // The whole call is one block of every (n, h): batched ATen calls over
+  // all heads instead of one work item per head (batched_forward).
+  bool one_block = false;
+};
+
+/// What blocked_forward and batched_forward return.
+struct BlockedForward {
+  torch::Tensor output;   // (N, H, L, Dv)
+  torch::Tensor weights;  // as spec.weights, or undefined
+  torch::Tensor kept;     // (N, H, L, S) when spec.keep_weights, else {}
+};
+
+/// What blocked_backward and batched_backward return.
+struct BlockedGradients {
+  torch::Tensor dq, dk, dv;
+  torch::Tensor relative_bias;  // like relative_bias when it needs one
+};
+
+/// blocked_attention computes a call as one block when it has at most
+/// kOneBlockRows query rows and kOneBlockScores scores (N·H·L·S, 4 MiB of
+/// float32; also the most it keeps for backward). Measured (attention
+/// alone, float32, D = 64, 2 threads, OpenBLAS): one decoding step of 8
+/// query heads on 2 key/value heads over 96 cached keys 0.03 / 0.09 / 0.36
+/// ms at N = 1 / 8 / 32 against 0.09 / 0.60 / 2.4 ms in per-head items;
+/// (N, H, L, S) = (2, 4, 32, 32) 0.12 against 0.19 ms. From L = 128 the
+/// per-head items were as fast or faster, and a buffer of all scores
+/// is a fresh allocation whose pages fault in on every call.
+constexpr int64_t kOneBlockRows = 32;
+constexpr int64_t kOneBlockScores = int64_t{1} << 20;
+
+/// In place on p (..., rows, cols): the columns outside each row's `limits`
+/// set to -inf, then ATen's softmax over the last dim (the path of dtypes
+/// and CPUs without fused_softmax_rows).
+void limited_softmax(torch::Tensor& p, const RowLimits& limits);
+
+/// Row h (or 0 when shared by every head) of relative_bias (Hb, L + S - 1),
+/// or undefined for the empty placeholder of no bias.
+torch::Tensor bias_row(const torch::Tensor& relative_bias, int64_t h);
+
+/// The forward of spec.one_block calls: output (N, H, L, Dv) contiguous,
+/// weights as spec.weights, all of (N, H, L, S) kept when
+/// spec.keep_weights. q (N, H, L, D), k (N, Hkv, S, D), v (N, Hkv, S, Dv),
+/// relative_bias (Hb, L + S - 1) contiguous or empty (0) for none.
+BlockedForward batched_forward(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v,
+                               const torch::Tensor& relative_bias,
+                               const BlockedSpec& spec);
+
+/// The backward of batched_forward: the steps of blocked_backward, one
+/// batched call per step for each range of (n, key/value head) pairs; the
+/// weights from `kept` (batched_forward's) or recomputed.
+BlockedGradients batched_backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& relative_bias, const BlockedSpec& spec,
+    const torch::Tensor& kept, const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights);
+
+}  // namespace mha::detail
