@@ -31,6 +31,6 @@ cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 # The ASan/UBSan options above are exported before the build, because the
 # build runs mha_tests once (gtest_discover_tests) to list the tests.
 cmake --build "$build_dir" --parallel "$jobs" \
-  --target mha_tests distributed_worker mha_fuzz_replay
+  --target mha_tests mha_thread_tests distributed_worker mha_fuzz_replay
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" \
   -E '^consumer[.]' "$@"
