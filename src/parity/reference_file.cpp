@@ -43,7 +43,7 @@ const torch::Tensor& tensor(const RecordedReference& r,
 }
 
 int64_t layer_of(const RecordedReference& r) {
-  const std::string& text = meta(r, "layer");
+  const std::string text = meta(r, "layer");
   try {
     size_t used = 0;
     const int64_t layer = std::stoll(text, &used);
@@ -209,7 +209,7 @@ torch::Tensor positions_of(const RecordedReference& r, const std::string& name,
 void check_forward(const RecordedReference& r, MultiHeadAttention& module,
                    bool causal, const torch::Device& device,
                    RecordedCheck& check, Worst& worst) {
-  const auto& x = tensor(r, "hidden_states");  // (N, L, E)
+  const auto x = tensor(r, "hidden_states");  // (N, L, E)
   TORCH_CHECK(x.dim() == 3, r.path, ": hidden_states must be (N, L, E), got ",
               x.sizes());
   const int64_t N = x.size(0);
@@ -252,7 +252,7 @@ void check_steps(const RecordedReference& r, MultiHeadAttention& module,
   int64_t total = 0;
   int64_t N = 0;
   while (r.tensors.contains(step_name(steps, "hidden_states"))) {
-    const auto& x = tensor(r, step_name(steps, "hidden_states"));
+    const auto x = tensor(r, step_name(steps, "hidden_states"));
     TORCH_CHECK(x.dim() == 3 && (steps == 0 || x.size(0) == N), r.path, ": ",
                 step_name(steps, "hidden_states"),
                 " must be (N, T, E) with the N of step0, got ", x.sizes());
@@ -265,7 +265,7 @@ void check_steps(const RecordedReference& r, MultiHeadAttention& module,
   auto cache = module->make_kv_cache(N, total);
   int64_t P = 0;
   for (int64_t k = 0; k < steps; ++k) {
-    const auto& x = tensor(r, step_name(k, "hidden_states"));  // (N, T, E)
+    const auto x = tensor(r, step_name(k, "hidden_states"));  // (N, T, E)
     const int64_t T = x.size(1);
     const auto positions =
         positions_of(r, step_name(k, "position_ids"), N, T, device);
