@@ -17,6 +17,11 @@
 #include "blas_threads.h"
 
 namespace mha::detail {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+}  // namespace
 
 /// In place on p (..., rows, cols): the columns outside each row's `limits`
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes
@@ -32,8 +37,7 @@ void limited_softmax(torch::Tensor& p, const RowLimits& limits) {
                                      : at::full_like(r, limits.begin0);
     auto end =
         limits.end_slides ? r + limits.end0 : at::full_like(r, limits.end0);
-    p.masked_fill_(c.lt(begin).logical_or_(c.ge(end)),
-                   -std::numeric_limits<double>::infinity());
+    p.masked_fill_(c.lt(begin).logical_or_(c.ge(end)), kNegInf);
   }
   at::_softmax_out(p, p, /*dim=*/-1, /*half_to_float=*/false);
 }
@@ -48,8 +52,6 @@ torch::Tensor bias_row(const torch::Tensor& relative_bias, int64_t h) {
 }
 
 namespace {
-
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 /// The (n, h) slice of a tensor broadcastable to (N, H, ...).
 torch::Tensor select_nh(const torch::Tensor& t, int64_t n, int64_t h) {
