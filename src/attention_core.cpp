@@ -202,7 +202,8 @@ AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& value_in,
                                const torch::Tensor& mask,
                                const KeyPositions& positions, double dropout_p,
-                               double scale, WeightsMode weights) {
+                               double scale, WeightsMode weights,
+                               const torch::Tensor& packed) {
   auto call =
       AttentionCall::of(query, key_in, mask, positions, dropout_p, weights);
   TORCH_INTERNAL_ASSERT(!call.grouped || query.size(1) % key_in.size(1) == 0,
@@ -241,7 +242,8 @@ AttentionResult attention_core(const torch::Tensor& query,
     case AttentionPath::kBlocked:
       // Grouped heads are read in place (see choose_path).
       return blocked_attention(query, key_in, value_in, mask, positions, scale,
-                               weights);
+                               weights, /*block_rows=*/0, KeptWeights::kAuto,
+                               packed);
     case AttentionPath::kExplicit:
       return explicit_attention(query, copied_heads(key_in),
                                 copied_heads(value_in), mask, positions,

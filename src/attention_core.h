@@ -141,13 +141,20 @@ AttentionPath last_attention_path();
 /// checked; kAverage needs 4-D (N, H, L, E) inputs. 4-D key and value may
 /// have fewer heads Hkv than query's H, dividing it (grouped-query
 /// attention): query head h then attends with key/value head h / (H / Hkv).
-/// Computed on the path choose_path picks.
+/// Computed on the path choose_path picks. `packed`: undefined, or a tensor
+/// (or a view of one) whose views query, key and value are, disjoint and
+/// together all of it, such as the fused in-projection's output split into
+/// heads; the blocked path then computes their gradients into one tensor
+/// laid out like it (no copies to undo the views), where query, key and
+/// value are still views of it (not after a rotation). The caller
+/// guarantees the disjointness.
 AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& key,
                                const torch::Tensor& value,
                                const torch::Tensor& mask,
                                const KeyPositions& positions, double dropout_p,
-                               double scale, WeightsMode weights);
+                               double scale, WeightsMode weights,
+                               const torch::Tensor& packed = {});
 
 /// The explicit path: whole (..., L, S) score and weight tensors.
 AttentionResult explicit_attention(const torch::Tensor& query,
@@ -178,14 +185,15 @@ enum class KeptWeights {
 /// block_rows 0 are one block of all heads instead: each step one batched
 /// call per share of the (n, key/value head) pairs, the grouped query heads
 /// stacked by rows, no per-head calls. Same contract as attention_core,
-/// without dropout.
+/// without dropout; `packed` as attention_core's.
 AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& key,
                                   const torch::Tensor& value,
                                   const torch::Tensor& mask,
                                   const KeyPositions& positions, double scale,
                                   WeightsMode weights, int64_t block_rows = 0,
-                                  KeptWeights kept = KeptWeights::kAuto);
+                                  KeptWeights kept = KeptWeights::kAuto,
+                                  const torch::Tensor& packed = {});
 
 /// Calls body(item, scratch) for every item in [0, items), where scratch is
 /// a tensor of `scratch_elements` with `options` for the calling thread's

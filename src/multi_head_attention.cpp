@@ -29,6 +29,9 @@ struct Projected {
   torch::Tensor q;  // (N, L, E)
   torch::Tensor k;  // (N, S, E)
   torch::Tensor v;  // (N, S, E)
+  // Self-attention's one projection (N, L, 3E), of which q, k and v are
+  // disjoint views (attention_core's `packed`), or undefined.
+  torch::Tensor packed;
 };
 
 /// (N, T, E) → (N, H, T, D).
@@ -428,13 +431,14 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
     const int64_t Ekv = m.num_kv_heads() * m.head_dim;
     return {detail::project(query, m.q_proj_weight, rows_of(b, 0, E)),
             detail::project(key, m.k_proj_weight, rows_of(b, E, Ekv)),
-            detail::project(value, m.v_proj_weight, rows_of(b, E + Ekv, Ekv))};
+            detail::project(value, m.v_proj_weight, rows_of(b, E + Ekv, Ekv)),
+            torch::Tensor()};
   }
   const auto& w = m.in_proj_weight;
   if (self_attention) {
     auto qkv = detail::project(query, w, b);  // (N, L, 3E)
     auto parts = qkv.chunk(3, /*dim=*/-1);
-    return {parts[0], parts[1], parts[2]};  // (N, L, E) each
+    return {parts[0], parts[1], parts[2], qkv};  // (N, L, E) each
   }
   auto q =
       detail::project(query, rows_of(w, 0, E), rows_of(b, 0, E));  // (N, L, E)
@@ -442,22 +446,23 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
     auto kv = detail::project(key, rows_of(w, E, 2 * E),
                               rows_of(b, E, 2 * E));  // (N, S, 2E)
     auto parts = kv.chunk(2, /*dim=*/-1);
-    return {q, parts[0], parts[1]};
+    return {q, parts[0], parts[1], torch::Tensor()};
   }
   return {q, detail::project(key, rows_of(w, E, E), rows_of(b, E, E)),
-          detail::project(value, rows_of(w, 2 * E, E), rows_of(b, 2 * E, E))};
+          detail::project(value, rows_of(w, 2 * E, E), rows_of(b, 2 * E, E)),
+          torch::Tensor()};
 }
 
 /// The attention step of forward and forward_cached on the heads q
 /// (N, H, L, D), k and v (N, Hkv, S', D): the core, out_proj, and the
 /// caller's layout. Returns (output (N, L, E) as the input's layout,
 /// weights (N, L, S') averaged, (N, H, L, S') per head, or undefined;
-/// without N when unbatched).
+/// without N when unbatched). `packed`: as attention_core's.
 std::tuple<torch::Tensor, torch::Tensor> attend_and_project(
     MultiHeadAttentionImpl& m, const torch::Tensor& q, const torch::Tensor& k,
     const torch::Tensor& v, const torch::Tensor& mask,
     const detail::KeyPositions& positions, bool batched, bool need_weights,
-    bool average_attn_weights) {
+    bool average_attn_weights, const torch::Tensor& packed = {}) {
   const double p_drop = m.is_training() ? m.options.dropout() : 0.0;
   const double scale = m.options.scale().value_or(
       1.0 / std::sqrt(static_cast<double>(m.head_dim)));
@@ -466,7 +471,7 @@ std::tuple<torch::Tensor, torch::Tensor> attend_and_project(
                                 ? detail::WeightsMode::kAverage
                                 : detail::WeightsMode::kPerHead;
   auto result = detail::attention_core(q, k, v, mask, positions, p_drop, scale,
-                                       weights_mode);
+                                       weights_mode, packed);
   // (N, H, L, D) → (N, L, E) → out_proj
   auto output = detail::project(merge_heads(result.output), m.out_proj->weight,
                                 m.out_proj->bias);  // (N, L, E)
@@ -560,7 +565,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     rules = detail::KeyPositions(rules.causal);  // in the mask already
   }
   return attend_and_project(*this, q, k, v, mask, rules, in.batched,
-                            need_weights, average_attn_weights);
+                            need_weights, average_attn_weights, p.packed);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(

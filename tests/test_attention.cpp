@@ -27,6 +27,7 @@
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"
 #include "mha/version.h"
+#include "projection.h"
 #include "test_helpers.h"
 
 namespace {
@@ -1129,6 +1130,98 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathUnderInferenceModeOnThreads) {
   EXPECT_TRUE(blocked.output.is_inference());
   expect_close(blocked.output, plain.output, 2e-6, 2e-6, "output");
   expect_close(blocked.weights, plain.weights, 2e-6, 2e-6, "weights");
+}
+
+// q, k and v as views of one projection (the modules' self-attention), and
+// that projection as `packed`: the blocked path computes their gradients
+// into one tensor laid out like it (no per-view gradients for autograd to
+// copy and join). The output and every gradient equal, bit for bit, the
+// same views passed without `packed`, for batch-first and seq-first
+// projections (the output buffer then seq-first too), with a mask, causal
+// or not, weights kept or recomputed, weights asked for or not, on 1 and 2
+// threads. Where the hint cannot apply (one block of all heads; a query
+// that is not a view of it) the call takes the per-view gradients and
+// agrees as well.
+TEST_F(ScaledDotProductAttentionTest, PackedViewsGiveTheSameGradients) {
+  using mha::detail::KeptWeights;
+  using mha::detail::WeightsMode;
+  const int64_t N = 2, H = 3, L = 10, D = 4, E = H * D;
+  const auto x = torch::randn({L, N, E});  // seq-first (L, N, E)
+  const auto w = torch::randn({3 * E, E});
+  auto mask = torch::zeros({N, 1, 1, L});
+  mask[1][0][0][2] = -kInf;
+  const auto g = torch::randn({N, H, L, D});
+  struct Run {
+    std::vector<torch::Tensor> values;
+    std::string node;
+  };
+  for (bool seq_first : {false, true}) {
+    for (int threads : {1, 2}) {
+      const IntraOpThreads set_threads(threads);
+      for (bool causal : {false, true}) {
+        for (auto kept : {KeptWeights::kAlways, KeptWeights::kNever}) {
+          for (auto weights : {WeightsMode::kNone, WeightsMode::kPerHead}) {
+            for (int64_t block : {4, 0}) {
+              for (bool query_view : {true, false}) {
+                auto run = [&](bool hint) {
+                  auto xg = x.clone().requires_grad_();
+                  auto wg = w.clone().requires_grad_();
+                  auto input = seq_first ? xg.transpose(0, 1)  // (N, L, E)
+                                         : xg.transpose(0, 1).contiguous();
+                  // (N, L, 3E); a view of (L, N, 3E) when seq-first
+                  auto qkv = mha::detail::project(input, wg, torch::Tensor());
+                  EXPECT_EQ(qkv.stride(0) < qkv.stride(1), seq_first);
+                  auto parts = qkv.chunk(3, -1);
+                  std::vector<torch::Tensor> heads;
+                  for (const auto& part : parts) {
+                    heads.push_back(part.view({N, L, H, D}).transpose(1, 2));
+                  }
+                  if (!query_view) {
+                    heads[0] = heads[0] * 1.0;  // as a rotation would
+                  }
+                  auto r = mha::detail::blocked_attention(
+                      heads[0], heads[1], heads[2], mask, causal, 0.5, weights,
+                      block, kept, hint ? qkv : torch::Tensor());
+                  auto loss = (r.output * g).sum();
+                  if (r.weights.defined()) {
+                    loss = loss + r.weights.pow(2).sum();
+                  }
+                  const auto node = r.output.grad_fn()->name();
+                  loss.backward();
+                  return Run{{r.output.detach(), xg.grad(), wg.grad()}, node};
+                };
+                const auto expected = run(false);
+                const auto packed = run(true);
+                const std::string where =
+                    std::string(seq_first ? "seq-first" : "batch-first") +
+                    ", " + std::to_string(threads) + " threads, " +
+                    (causal ? "causal, " : "") + "block " +
+                    std::to_string(block) +
+                    (kept == KeptWeights::kAlways ? ", kept" : ", recomputed") +
+                    (weights == WeightsMode::kNone ? "" : ", weights") +
+                    (query_view ? "" : ", query not a view");
+                const bool applies = block != 0 && query_view;
+                EXPECT_EQ(packed.node.find("PackedAttentionFunction") !=
+                              std::string::npos,
+                          applies)
+                    << where << ": " << packed.node;
+                const char* names[] = {"output", "dx", "dw"};
+                for (size_t i = 0; i < expected.values.size(); ++i) {
+                  EXPECT_TRUE(
+                      torch::equal(packed.values[i], expected.values[i]))
+                      << where << ": " << names[i] << " differs by "
+                      << (packed.values[i] - expected.values[i])
+                             .abs()
+                             .max()
+                             .item<float>();
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 // for_each_item, the scheduler of the blocked path: every item exactly
