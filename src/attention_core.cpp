@@ -272,12 +272,18 @@ torch::Tensor key_positions_mask(const KeyPositions& positions, int64_t L,
       .masked_fill_(blocked, -std::numeric_limits<double>::infinity());
 }
 
+torch::Tensor relative_bias_index(int64_t rows, int64_t cols, int64_t offset,
+                                  torch::Device device) {
+  const auto options = at::TensorOptions(device).dtype(at::kLong);
+  auto r = at::arange(rows, options).unsqueeze(1);  // (rows, 1)
+  auto c = at::arange(cols, options).unsqueeze(0);  // (1, cols)
+  return c - r + offset;                            // (rows, cols)
+}
+
 torch::Tensor dense_relative_bias(const torch::Tensor& relative_bias, int64_t L,
                                   int64_t S) {
-  const auto index = relative_bias.options().dtype(torch::kLong);
-  auto i = torch::arange(L, index).unsqueeze(1);  // (L, 1)
-  auto j = torch::arange(S, index).unsqueeze(0);  // (1, S)
-  auto diagonal = (j - i + (L - 1)).view(-1);     // (L·S)
+  const auto diagonal = relative_bias_index(L, S, L - 1, relative_bias.device())
+                            .view(-1);  // (L·S)
   return relative_bias.index_select(1, diagonal)
       .view({relative_bias.size(0), L, S});  // (Hb, L, S)
 }

@@ -70,6 +70,13 @@ torch::Tensor key_positions_mask(const KeyPositions& positions, int64_t L,
                                  int64_t S,
                                  const torch::TensorOptions& options);
 
+/// (rows, cols) int64 with [r][c] = c - r + offset: where the score of
+/// query row row0 + r and key col0 + c reads a relative bias of L + S - 1
+/// entries (KeyPositions::relative_bias) when offset = col0 - row0 + L - 1.
+/// On `device`.
+torch::Tensor relative_bias_index(int64_t rows, int64_t cols, int64_t offset,
+                                  torch::Device device = torch::kCPU);
+
 /// Dense (Hb, L, S) of `positions.relative_bias` (Hb, L + S - 1):
 /// [h][i][j] = relative_bias[h][j - i + L - 1]; differentiable.
 torch::Tensor dense_relative_bias(const torch::Tensor& relative_bias, int64_t L,

@@ -173,9 +173,7 @@ struct Block {
   int64_t bias_base() const { return col0 - row0 + L - 1; }
   /// (rows, cols) int64: bias_base() - r + c.
   torch::Tensor bias_index() const {
-    auto r = at::arange(rows, at::kLong).unsqueeze(1);
-    auto c = at::arange(cols, at::kLong).unsqueeze(0);
-    return c - r + bias_base();
+    return relative_bias_index(rows, cols, bias_base());
   }
 };
 

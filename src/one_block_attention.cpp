@@ -228,9 +228,7 @@ BlockedGradients batched_backward(
   torch::Tensor d_bias, bias_index;  // (N·H, L + S - 1), (L·S)
   if (bias_grad) {
     d_bias = at::zeros({N * H, relative_bias.size(1)}, q.options());
-    auto r = at::arange(L, at::kLong).unsqueeze(1);
-    auto c = at::arange(S, at::kLong).unsqueeze(0);
-    bias_index = (c - r + (L - 1)).view(-1);  // [r][c] → c - r + L - 1
+    bias_index = relative_bias_index(L, S, L - 1).view(-1);
   }
   // Three GEMMs of forward's size, four with the weights recomputed.
   const auto work =
