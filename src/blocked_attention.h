@@ -47,6 +47,36 @@ struct BlockedGradients {
   torch::Tensor relative_bias;  // like relative_bias when it needs one
 };
 
+/// The per-block form's forward and backward (blocked_attention.cpp, where
+/// their layouts are described): query rows in blocks of spec.block_rows
+/// for each (n, h), spread over threads. blocked_backward writes into
+/// `grads`' dq (any values) and dk, dv (zero on entry) and returns them with
+/// the bias's gradient. Shapes as batched_forward's and batched_backward's.
+BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v,
+                               const torch::Tensor& relative_bias,
+                               const BlockedSpec& spec);
+
+BlockedGradients blocked_backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& relative_bias, const BlockedSpec& spec,
+    const torch::Tensor& kept, const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights, BlockedGradients grads);
+
+/// Runs a blocked call under autograd (blocked_autograd.cpp): output, and
+/// weights when spec asks for them. relative_bias (Hb, L + S - 1)
+/// contiguous, or empty (0) for none. With `packed` undefined, or not a
+/// tensor that q, k and v are views of and cover exactly (attention_core's
+/// `packed`), backward returns a gradient per input; otherwise it returns
+/// one gradient for the packed tensor. Pass `packed` only when a gradient
+/// is needed and the call is not spec.one_block.
+torch::autograd::variable_list apply_blocked(const torch::Tensor& q,
+                                             const torch::Tensor& k,
+                                             const torch::Tensor& v,
+                                             const torch::Tensor& relative_bias,
+                                             const BlockedSpec& spec,
+                                             const torch::Tensor& packed);
+
 /// blocked_attention computes a call as one block when it has at most
 /// kOneBlockRows query rows and kOneBlockScores scores (N·H·L·S, 4 MiB of
 /// float32; also the most it keeps for backward). Measured (attention
