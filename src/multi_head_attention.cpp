@@ -9,48 +9,18 @@
 #include "attention_core.h"
 #include "blas_threads.h"
 #include "mha/masks.h"
+#include "module_inputs.h"
 #include "module_positions.h"
 #include "projection.h"
 
 namespace mha {
 namespace {
 
-/// Inputs brought to the batched, batch-first layout.
-struct BatchFirstInputs {
-  torch::Tensor query;             // (N, L, E)
-  torch::Tensor key;               // (N, S, kdim)
-  torch::Tensor value;             // (N, S, vdim)
-  torch::Tensor key_padding_mask;  // (N, S) or undefined
-  bool batched = true;
-};
-
-/// Q, K and V after the input projection.
-struct Projected {
-  torch::Tensor q;  // (N, L, E)
-  torch::Tensor k;  // (N, S, E)
-  torch::Tensor v;  // (N, S, E)
-  // Self-attention's one projection (N, L, 3E), of which q, k and v are
-  // disjoint views (attention_core's `packed`), or undefined.
-  torch::Tensor packed;
-};
-
-/// (N, T, E) → (N, H, T, D).
-torch::Tensor split_heads(const torch::Tensor& x, int64_t num_heads) {
-  const auto N = x.size(0);
-  const auto T = x.size(1);
-  return x.view({N, T, num_heads, -1}).transpose(1, 2);  // (N, H, T, D)
-}
-
 /// (N, H, L, D) → (N, L, E).
 torch::Tensor merge_heads(const torch::Tensor& x) {
   const auto N = x.size(0);
   const auto L = x.size(2);
   return x.transpose(1, 2).reshape({N, L, -1});  // (N, L, E)
-}
-
-/// Rows [start, start + count) of t, or t itself when undefined (no bias).
-torch::Tensor rows_of(const torch::Tensor& t, int64_t start, int64_t count) {
-  return t.defined() ? t.narrow(0, start, count) : t;
 }
 
 }  // namespace
@@ -289,170 +259,6 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
 
 namespace {
 
-/// Checks the inputs of forward and brings them to (N, T, features).
-BatchFirstInputs to_batch_first(const MultiHeadAttentionImpl& m,
-                                const torch::Tensor& query,
-                                const torch::Tensor& key_in,
-                                const torch::Tensor& value_in,
-                                const torch::Tensor& key_padding_mask) {
-  const int64_t E = m.options.embed_dim();
-  TORCH_CHECK(query.defined(), "MultiHeadAttention: query is undefined");
-  TORCH_CHECK(key_in.defined() == value_in.defined(),
-              "MultiHeadAttention: key and value must both be given (cross-"
-              "attention) or both be undefined (self-attention), but got ",
-              key_in.defined() ? "key without value" : "value without key");
-  const bool self_attention = !key_in.defined();
-  const auto& key = self_attention ? query : key_in;
-  const auto& value = self_attention ? query : value_in;
-  const char* layout = m.options.batch_first() ? "(N, L, E)" : "(L, N, E)";
-  TORCH_CHECK(query.dim() == 3 || query.dim() == 2,
-              "MultiHeadAttention: query must be ", layout,
-              " batched or (L, E) unbatched, but got ", query.sizes());
-  TORCH_CHECK(key.dim() == query.dim() && value.dim() == query.dim(),
-              "MultiHeadAttention: key and value must have query's ",
-              query.dim(), " dims, but got key ", key.sizes(), " and value ",
-              value.sizes());
-  TORCH_CHECK(query.size(-1) == E,
-              "MultiHeadAttention: query must have embed_dim = ", E,
-              " features in its last dim, but got ", query.sizes());
-  TORCH_CHECK(key.size(-1) == m.kdim(),
-              "MultiHeadAttention: key must have kdim = ", m.kdim(),
-              " features in its last dim, but got ", key.sizes(),
-              self_attention ? " (key is the query: self-attention needs "
-                               "kdim == embed_dim)"
-                             : "");
-  TORCH_CHECK(value.size(-1) == m.vdim(),
-              "MultiHeadAttention: value must have vdim = ", m.vdim(),
-              " features in its last dim, but got ", value.sizes(),
-              self_attention ? " (value is the query: self-attention needs "
-                               "vdim == embed_dim)"
-                             : "");
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(torch::isFloatingType(dtype),
-              "MultiHeadAttention: query must be floating, but got dtype ",
-              dtype);
-  const auto param_dtype = m.out_proj->weight.scalar_type();
-  TORCH_CHECK(dtype == param_dtype,
-              "MultiHeadAttention: query must have the "
-              "parameters' dtype ",
-              param_dtype, ", but got dtype ", dtype);
-  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype,
-              "MultiHeadAttention: key and value must have query's dtype ",
-              dtype, ", but got key ", key.scalar_type(), " and value ",
-              value.scalar_type());
-  const auto device = query.device();
-  TORCH_CHECK(device == m.out_proj->weight.device(),
-              "MultiHeadAttention: query must be on the parameters' device ",
-              m.out_proj->weight.device(), ", but got device ", device);
-  TORCH_CHECK(key.device() == device && value.device() == device,
-              "MultiHeadAttention: key and value must be on query's device ",
-              device, ", but got key on ", key.device(), " and value on ",
-              value.device());
-
-  BatchFirstInputs in;
-  in.batched = query.dim() == 3;
-  if (!in.batched) {
-    in.query = query.unsqueeze(0);  // (1, L, E)
-    in.key = key.unsqueeze(0);      // (1, S, kdim)
-    in.value = value.unsqueeze(0);  // (1, S, vdim)
-  } else if (m.options.batch_first()) {
-    in.query = query;
-    in.key = key;
-    in.value = value;
-  } else {
-    in.query = query.transpose(0, 1);  // (L, N, E) → (N, L, E)
-    in.key = key.transpose(0, 1);      // (N, S, kdim)
-    in.value = value.transpose(0, 1);  // (N, S, vdim)
-  }
-  const auto N = in.query.size(0);
-  const auto S = in.key.size(1);
-  TORCH_CHECK(in.key.size(0) == N && in.value.size(0) == N,
-              "MultiHeadAttention: key and value must have query's batch size "
-              "N = ",
-              N, ", but got query ", query.sizes(), ", key ", key.sizes(),
-              ", value ", value.sizes());
-  TORCH_CHECK(in.value.size(1) == S,
-              "MultiHeadAttention: value must have key's length S = ", S,
-              ", but got key ", key.sizes(), " and value ", value.sizes());
-
-  check_mask(key_padding_mask, "key_padding_mask", dtype, device);
-  if (key_padding_mask.defined()) {
-    if (in.batched) {
-      TORCH_CHECK(key_padding_mask.dim() == 2 &&
-                      key_padding_mask.size(0) == N &&
-                      key_padding_mask.size(1) == S,
-                  "key_padding_mask must be (N, S) = (", N, ", ", S,
-                  "), but got ", key_padding_mask.sizes());
-      in.key_padding_mask = key_padding_mask;
-    } else {
-      TORCH_CHECK(key_padding_mask.dim() == 1 && key_padding_mask.size(0) == S,
-                  "key_padding_mask must be (S) = (", S,
-                  ") for unbatched input, but got ", key_padding_mask.sizes());
-      in.key_padding_mask = key_padding_mask.unsqueeze(0);  // (1, S)
-    }
-  }
-  return in;
-}
-
-/// Checks attn_mask and views it as (L, S) or (N, H, L, S).
-torch::Tensor attn_mask_4d(const torch::Tensor& attn_mask, int64_t N, int64_t H,
-                           int64_t L, int64_t S, bool batched,
-                           torch::ScalarType dtype,
-                           const torch::Device& device) {
-  if (!attn_mask.defined()) {
-    return attn_mask;
-  }
-  check_mask(attn_mask, "attn_mask", dtype, device);
-  if (attn_mask.dim() == 2) {
-    TORCH_CHECK(attn_mask.size(0) == L && attn_mask.size(1) == S,
-                "attn_mask must be (L, S) = (", L, ", ", S, ") or (",
-                batched ? "N*num_heads" : "num_heads", ", L, S) = (",
-                batched ? N * H : H, ", ", L, ", ", S, "), but got ",
-                attn_mask.sizes());
-    return attn_mask;  // (L, S)
-  }
-  TORCH_CHECK(attn_mask.dim() == 3 && attn_mask.size(0) == N * H &&
-                  attn_mask.size(1) == L && attn_mask.size(2) == S,
-              "attn_mask must be (L, S) = (", L, ", ", S, ") or (",
-              batched ? "N*num_heads" : "num_heads", ", L, S) = (", N * H, ", ",
-              L, ", ", S, "), but got ", attn_mask.sizes());
-  return attn_mask.view({N, H, L, S});  // (N, H, L, S)
-}
-
-/// The input projection: one GEMM for self-attention, two when key is value.
-Projected project_inputs(const MultiHeadAttentionImpl& m,
-                         const torch::Tensor& query, const torch::Tensor& key,
-                         const torch::Tensor& value, bool self_attention,
-                         bool key_is_value) {
-  const int64_t E = m.options.embed_dim();
-  const auto& b = m.in_proj_bias;
-  if (!m.packed_in_proj()) {
-    // in_proj_bias rows: query [0, E), key [E, E + Ekv), value [E + Ekv, ...)
-    const int64_t Ekv = m.num_kv_heads() * m.head_dim;
-    return {detail::project(query, m.q_proj_weight, rows_of(b, 0, E)),
-            detail::project(key, m.k_proj_weight, rows_of(b, E, Ekv)),
-            detail::project(value, m.v_proj_weight, rows_of(b, E + Ekv, Ekv)),
-            torch::Tensor()};
-  }
-  const auto& w = m.in_proj_weight;
-  if (self_attention) {
-    auto qkv = detail::project(query, w, b);  // (N, L, 3E)
-    auto parts = qkv.chunk(3, /*dim=*/-1);
-    return {parts[0], parts[1], parts[2], qkv};  // (N, L, E) each
-  }
-  auto q =
-      detail::project(query, rows_of(w, 0, E), rows_of(b, 0, E));  // (N, L, E)
-  if (key_is_value) {
-    auto kv = detail::project(key, rows_of(w, E, 2 * E),
-                              rows_of(b, E, 2 * E));  // (N, S, 2E)
-    auto parts = kv.chunk(2, /*dim=*/-1);
-    return {q, parts[0], parts[1], torch::Tensor()};
-  }
-  return {q, detail::project(key, rows_of(w, E, E), rows_of(b, E, E)),
-          detail::project(value, rows_of(w, 2 * E, E), rows_of(b, 2 * E, E)),
-          torch::Tensor()};
-}
-
 /// The attention step of forward and forward_cached on the heads q
 /// (N, H, L, D), k and v (N, Hkv, S', D): the core, out_proj, and the
 /// caller's layout. Returns (output (N, L, E) as the input's layout,
@@ -499,7 +305,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   const bool self_attention =
       !key.defined() || (key.is_same(query) && value.is_same(query));
   const bool key_is_value = key.defined() && key.is_same(value);
-  auto in = to_batch_first(*this, query, key, value, key_padding_mask);
+  auto in = detail::to_batch_first(*this, query, key, value, key_padding_mask);
   const int64_t N = in.query.size(0);
   const int64_t L = in.query.size(1);
   const int64_t S = in.key.size(1);
@@ -514,7 +320,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
                            "MultiHeadAttention");  // (N, L) or undefined
 
   // One additive mask broadcastable to (N, H, L, S).
-  auto attn = attn_mask_4d(attn_mask, N, H, L, S, in.batched, dtype, device);
+  auto attn =
+      detail::attn_mask_4d(attn_mask, N, H, L, S, in.batched, dtype, device);
   torch::Tensor padding;
   if (in.key_padding_mask.defined()) {
     padding = in.key_padding_mask.view({N, 1, 1, S});  // (N, 1, 1, S)
@@ -534,16 +341,16 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   }
   auto mask = merge_masks({attn, padding, causal, rules_mask}, dtype);
 
-  auto p = project_inputs(*this, in.query, in.key, in.value, self_attention,
-                          key_is_value);
+  auto p = detail::project_inputs(*this, in.query, in.key, in.value,
+                                  self_attention, key_is_value);
   if (options.add_bias_kv()) {
     p.k = torch::cat({p.k, bias_k.expand({N, 1, -1})}, 1);  // (N, S+1, Ekv)
     p.v = torch::cat({p.v, bias_v.expand({N, 1, -1})}, 1);  // (N, S+1, Ekv)
   }
   const int64_t Hkv = num_kv_heads();
-  auto q = split_heads(p.q, H);                  // (N, H, L, D)
-  auto k = split_heads(p.k, Hkv);                // (N, Hkv, S', D)
-  auto v = split_heads(p.v, Hkv);                // (N, Hkv, S', D)
+  auto q = detail::split_heads(p.q, H);          // (N, H, L, D)
+  auto k = detail::split_heads(p.k, Hkv);        // (N, Hkv, S', D)
+  auto v = detail::split_heads(p.v, Hkv);        // (N, Hkv, S', D)
   detail::rotate_heads(*this, q, k, at, at, 0);  // row i at at[n][i], else at i
   if (options.add_zero_attn()) {
     k = torch::cat({k, torch::zeros({N, Hkv, 1, head_dim}, k.options())},
@@ -576,7 +383,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
   TORCH_CHECK(!options.add_bias_kv() && !options.add_zero_attn(),
               "MultiHeadAttention::forward_cached: add_bias_kv and "
               "add_zero_attn are not supported with a cache");
-  auto in = to_batch_first(*this, query, {}, {}, {});
+  auto in = detail::to_batch_first(*this, query, {}, {}, {});
   const int64_t N = in.query.size(0);
   const int64_t T = in.query.size(1);
   const int64_t H = options.num_heads();
@@ -623,11 +430,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
     padding = key_padding_mask.view({N, 1, 1, P + T});  // (N, 1, 1, P+T)
   }
 
-  auto p = project_inputs(*this, in.query, in.query, in.query,
-                          /*self_attention=*/true, /*key_is_value=*/true);
-  auto q = split_heads(p.q, H);                  // (N, H, T, D)
-  auto k = split_heads(p.k, Hkv);                // (N, Hkv, T, D)
-  auto v = split_heads(p.v, Hkv);                // (N, Hkv, T, D)
+  auto p =
+      detail::project_inputs(*this, in.query, in.query, in.query,
+                             /*self_attention=*/true, /*key_is_value=*/true);
+  auto q = detail::split_heads(p.q, H);          // (N, H, T, D)
+  auto k = detail::split_heads(p.k, Hkv);        // (N, Hkv, T, D)
+  auto v = detail::split_heads(p.v, Hkv);        // (N, Hkv, T, D)
   detail::rotate_heads(*this, q, k, at, at, P);  // row t at at[n][t] or P + t
   auto [k_all, v_all] = cache.append(k, v, at);  // (N, Hkv, P + T, D)
   const bool needs_grad =
@@ -658,56 +466,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
                             need_weights, average_attn_weights);
 }
 
-namespace {
-
-/// project_key_value and forward_projected take no option that places keys
-/// at positions or appends key rows.
-void check_projectable(const MultiHeadAttentionImpl& m, const char* caller) {
-  const auto& o = m.options;
-  const char* option = o.add_bias_kv()     ? "add_bias_kv"
-                       : o.add_zero_attn() ? "add_zero_attn"
-                       : o.rotary()        ? "rotary"
-                       : o.window()        ? "window"
-                       : o.position_bias() != PositionBias::kNone
-                           ? "position_bias"
-                           : nullptr;
-  TORCH_CHECK(option == nullptr, "MultiHeadAttention::", caller,
-              ": the option ", option,
-              " is not supported (it gives keys positions or extra rows)");
-}
-
-/// x (N, T, F) in the module's layout ((T, N, F) if !batch_first, (T, F)
-/// unbatched) as (N, T, F), after the checks of forward for `name`.
-torch::Tensor batch_first_input(const MultiHeadAttentionImpl& m,
-                                const torch::Tensor& x, const char* name,
-                                int64_t features, const char* feature_name) {
-  TORCH_CHECK(x.defined(), "MultiHeadAttention: ", name, " is undefined");
-  const char* layout = m.options.batch_first() ? "(N, T, " : "(T, N, ";
-  TORCH_CHECK((x.dim() == 3 || x.dim() == 2) && x.size(-1) == features,
-              "MultiHeadAttention: ", name, " must be ", layout, feature_name,
-              ") batched or (T, ", feature_name, ") unbatched with ",
-              feature_name, " = ", features, ", but got ", x.sizes());
-  const auto& weight = m.out_proj->weight;
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(),
-              "MultiHeadAttention: ", name, " must have the parameters' dtype ",
-              weight.scalar_type(), ", but got dtype ", x.scalar_type());
-  TORCH_CHECK(x.device() == weight.device(), "MultiHeadAttention: ", name,
-              " must be on the parameters' device ", weight.device(),
-              ", but got device ", x.device());
-  if (x.dim() == 2) {
-    return x.unsqueeze(0);  // (1, T, F)
-  }
-  return m.options.batch_first() ? x : x.transpose(0, 1);  // (N, T, F)
-}
-
-}  // namespace
-
 ProjectedKeyValue MultiHeadAttentionImpl::project_key_value(
     const torch::Tensor& key, const torch::Tensor& value) const {
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
-  check_projectable(*this, "project_key_value");
-  auto k_in = batch_first_input(*this, key, "key", kdim(), "kdim");
-  auto v_in = batch_first_input(*this, value, "value", vdim(), "vdim");
+  detail::check_projectable(*this, "project_key_value");
+  auto k_in = detail::batch_first_input(*this, key, "key", kdim(), "kdim");
+  auto v_in = detail::batch_first_input(*this, value, "value", vdim(), "vdim");
   TORCH_CHECK(key.dim() == value.dim() && k_in.size(0) == v_in.size(0) &&
                   k_in.size(1) == v_in.size(1),
               "MultiHeadAttention::project_key_value: value must have key's "
@@ -719,12 +483,14 @@ ProjectedKeyValue MultiHeadAttentionImpl::project_key_value(
   const auto& w = in_proj_weight;
   const auto& b = in_proj_bias;
   const bool packed = packed_in_proj();
-  auto k = detail::project(k_in, packed ? rows_of(w, E, Ekv) : k_proj_weight,
-                           rows_of(b, E, Ekv));  // (N, S, Ekv)
-  auto v =
-      detail::project(v_in, packed ? rows_of(w, E + Ekv, Ekv) : v_proj_weight,
-                      rows_of(b, E + Ekv, Ekv));  // (N, S, Ekv)
-  return {split_heads(k, num_kv_heads()), split_heads(v, num_kv_heads())};
+  auto k =
+      detail::project(k_in, packed ? detail::rows_of(w, E, Ekv) : k_proj_weight,
+                      detail::rows_of(b, E, Ekv));  // (N, S, Ekv)
+  auto v = detail::project(
+      v_in, packed ? detail::rows_of(w, E + Ekv, Ekv) : v_proj_weight,
+      detail::rows_of(b, E + Ekv, Ekv));  // (N, S, Ekv)
+  return {detail::split_heads(k, num_kv_heads()),
+          detail::split_heads(v, num_kv_heads())};
 }
 
 std::tuple<torch::Tensor, torch::Tensor>
@@ -734,9 +500,9 @@ MultiHeadAttentionImpl::forward_projected(const torch::Tensor& query,
                                           bool need_weights,
                                           bool average_attn_weights) {
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
-  check_projectable(*this, "forward_projected");
+  detail::check_projectable(*this, "forward_projected");
   const int64_t E = options.embed_dim();
-  auto q_in = batch_first_input(*this, query, "query", E, "E");
+  auto q_in = detail::batch_first_input(*this, query, "query", E, "E");
   const int64_t N = q_in.size(0);
   const int64_t Hkv = num_kv_heads();
   const auto& k = key_value.key;
@@ -775,10 +541,11 @@ MultiHeadAttentionImpl::forward_projected(const torch::Tensor& query,
                        q_in.scalar_type());  // (N, 1, 1, S)
   }
   auto q = detail::project(
-      q_in, packed_in_proj() ? rows_of(in_proj_weight, 0, E) : q_proj_weight,
-      rows_of(in_proj_bias, 0, E));  // (N, T, E)
-  return attend_and_project(*this, split_heads(q, options.num_heads()), k, v,
-                            mask, detail::KeyPositions(/*causal=*/false),
+      q_in,
+      packed_in_proj() ? detail::rows_of(in_proj_weight, 0, E) : q_proj_weight,
+      detail::rows_of(in_proj_bias, 0, E));  // (N, T, E)
+  return attend_and_project(*this, detail::split_heads(q, options.num_heads()),
+                            k, v, mask, detail::KeyPositions(/*causal=*/false),
                             query.dim() == 3, need_weights,
                             average_attn_weights);
 }
