@@ -5,7 +5,8 @@
 # contender, projections + at::scaled_dot_product_attention: "n/a (LibTorch
 # < 2.0)" below 2.0, else timed and checked in every mode but fwd-weights;
 # the batched decoding table (one left-padded cache equal to each sequence
-# alone; FAIL with --plant-fault) in the text and the JSON.
+# alone; FAIL with --plant-fault) in the text and the JSON; the projections
+# table's rows.
 # Variables: TOOL (the mha-bench executable), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -249,6 +250,45 @@ if(NOT generation_type STREQUAL "NULL" OR NOT window_type STREQUAL "NULL" OR
    NOT bd_passed)
   message(FATAL_ERROR "--variants batched-decode: generation ${generation_type}, "
           "window ${window_type}, batched_decode passed ${bd_passed}")
+endif()
+
+# Only the projections table: a row per configuration with L <= 256 and
+# self-attention mode (not encoder), each with its three medians.
+expect_exit(0 --quick --config 1,32,16,2 --config 1,300,8,2
+            --mode fwd-bwd,inference,encoder --gemm-size 32
+            --variants projections --json ${WORK_DIR}/projections.json)
+file(READ ${WORK_DIR}/projections.json projections_json)
+string(JSON window_type TYPE "${projections_json}" window)
+string(JSON projection_rows LENGTH "${projections_json}" projections)
+if(NOT window_type STREQUAL "NULL" OR NOT projection_rows EQUAL 2)
+  message(FATAL_ERROR "--variants projections: window ${window_type}, "
+          "${projection_rows} projection rows (expected 2: (1,32,16,2) "
+          "fwd-bwd and inference)")
+endif()
+foreach(i 0 1)
+  string(JSON p_config GET "${projections_json}" projections ${i} config)
+  string(JSON p_mode GET "${projections_json}" projections ${i} mode)
+  string(JSON p_reps GET "${projections_json}" projections ${i} reps)
+  string(JSON p_projections GET "${projections_json}" projections ${i}
+         projections_ms)
+  string(JSON p_nn GET "${projections_json}" projections ${i} torch_nn_ms)
+  string(JSON p_mha GET "${projections_json}" projections ${i} mha_ms)
+  if(i EQUAL 0)
+    set(expected_mode fwd-bwd)
+  else()
+    set(expected_mode inference)
+  endif()
+  if(NOT p_config STREQUAL "(1,32,16,2)" OR NOT p_mode STREQUAL expected_mode
+     OR NOT p_reps EQUAL 3 OR NOT p_projections GREATER 0 OR
+     NOT p_nn GREATER 0 OR NOT p_mha GREATER 0)
+    message(FATAL_ERROR "projections row ${i}: ${p_config} ${p_mode}, reps "
+            "${p_reps}, projections ${p_projections} ms, torch::nn ${p_nn} "
+            "ms, mha ${p_mha} ms")
+  endif()
+endforeach()
+if(NOT last_output MATCHES "\nprojections: " OR
+   NOT last_output MATCHES "\n\\(1,32,16,2\\) +fwd-bwd +3 ")
+  message(FATAL_ERROR "the projections table is missing:\n${last_output}")
 endif()
 
 # Peak memory from a child process per measurement (the fallback).

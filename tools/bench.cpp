@@ -35,6 +35,7 @@ struct Contenders {
   Run mha;
   Run torch_nn;
   SdpaContender sdpa;  ///< projections + at::scaled_dot_product_attention
+  Run projections;     ///< the projections alone (self-attention modes)
 };
 
 void synchronize(const torch::Device& device) {
@@ -116,6 +117,43 @@ Contenders make_encoder(const Shape& s, const torch::Tensor& x,
   return c;
 }
 
+/// The work every self-attention contender shares, on `ref`'s weights (own
+/// copies, so that gradients stay apart): x (L, N, E) through the packed
+/// in-projection, its value third (L, N, E) straight through out_proj, no
+/// attention between; the mode's grad mode, and in fwd-bwd the backward of
+/// (out · grad_out).sum() into the weights and its own input leaf.
+Run make_projections(const torch::nn::MultiheadAttention& ref,
+                     const torch::Tensor& x, const torch::Tensor& grad_out,
+                     Mode mode) {
+  auto copy = [](const torch::Tensor& t) {
+    return t.defined() ? t.detach().clone().requires_grad_(true) : t;
+  };
+  std::vector<torch::Tensor> weights = {
+      copy(ref->in_proj_weight), copy(ref->in_proj_bias),
+      copy(ref->out_proj->weight), copy(ref->out_proj->bias)};
+  const bool backward = mode == Mode::kForwardBackward;
+  const bool no_grad = mode == Mode::kInference;
+  auto input = backward ? x.clone().requires_grad_(true) : x;
+  const int64_t E = x.size(2);
+  return [weights, input, grad_out, backward, no_grad, E]() mutable {
+    torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
+    for (auto& w : weights) {
+      if (w.defined()) {
+        w.mutable_grad() = torch::Tensor();
+      }
+    }
+    input.mutable_grad() = torch::Tensor();
+    auto qkv = torch::linear(input, weights[0], weights[1]);  // (L, N, 3E)
+    auto out = torch::linear(qkv.narrow(-1, 2 * E, E), weights[2],
+                             weights[3]);  // (L, N, E)
+    if (!backward) {
+      return Named{{"output", out}};
+    }
+    (out * grad_out).sum().backward();
+    return Named{{"output", out.detach()}, {"grad input", input.grad()}};
+  };
+}
+
 Contenders make_contenders(const Shape& s, Mode mode,
                            const Settings& settings) {
   torch::manual_seed(settings.seed);
@@ -138,6 +176,7 @@ Contenders make_contenders(const Shape& s, Mode mode,
     grad_out = torch::randn({L, N, E}, options);  // (L, N, E)
   }
   c.sdpa = make_sdpa_attention(ref, x, grad_out, mode, settings.plant_fault);
+  c.projections = make_projections(ref, x, grad_out, mode);
   switch (mode) {
     case Mode::kForward:
     case Mode::kForwardWeights:
@@ -649,6 +688,43 @@ std::vector<WindowRow> measure_window(const std::vector<int64_t>& lengths,
       f.push_back(time_once(run_full, settings.device));
     }
     rows.push_back({length, window, median_of(w), median_of(f)});
+  }
+  return rows;
+}
+
+std::vector<ProjectionRow> measure_projections(const std::vector<Shape>& shapes,
+                                               const std::vector<Mode>& modes,
+                                               const Settings& settings) {
+  std::vector<ProjectionRow> rows;
+  for (const auto& shape : shapes) {
+    for (const auto mode : modes) {
+      if (mode == Mode::kEncoder) {
+        continue;
+      }
+      const auto c = make_contenders(shape, mode, settings);
+      const std::vector<const Run*> runs = {&c.projections, &c.torch_nn,
+                                            &c.mha};
+      double round_ms = 0;
+      for (const auto* run : runs) {
+        round_ms += time_once(*run, settings.device);
+      }
+      int reps = settings.reps;
+      if (reps <= 0) {
+        const double fit =
+            settings.budget_s * 1000.0 / std::max(round_ms, 1e-3);
+        reps = static_cast<int>(
+            std::clamp(std::floor(fit), static_cast<double>(settings.min_reps),
+                       static_cast<double>(settings.max_reps)));
+      }
+      std::vector<std::vector<double>> samples(runs.size());
+      for (int i = 0; i < reps; ++i) {
+        for (size_t r = 0; r < runs.size(); ++r) {
+          samples[r].push_back(time_once(*runs[r], settings.device));
+        }
+      }
+      rows.push_back({shape, mode, reps, median_of(samples[0]),
+                      median_of(samples[1]), median_of(samples[2])});
+    }
   }
   return rows;
 }

@@ -210,6 +210,27 @@ std::vector<WindowRow> measure_window(const std::vector<int64_t>& lengths,
                                       int64_t num_heads, int reps,
                                       const Settings& settings);
 
+/// One row of the projections table: for a self-attention mode (not the
+/// encoder) at one shape, torch::nn's in- and out-projection alone (the
+/// value rows of the packed in-projection go straight to out_proj, no
+/// attention between: the work every contender shares) timed interleaved
+/// with mha and torch::nn (median ms of `reps` runs each, after one warm-up
+/// each).
+struct ProjectionRow {
+  Shape shape;
+  Mode mode = Mode::kForward;
+  int reps = 0;
+  double projections_ms = 0;
+  double torch_nn_ms = 0;
+  double mha_ms = 0;
+};
+/// The rows for each shape in `shapes` and each self-attention mode in
+/// `modes`; settings.reps <= 0: as many as fit in settings.budget_s
+/// (settings.min_reps to settings.max_reps).
+std::vector<ProjectionRow> measure_projections(const std::vector<Shape>& shapes,
+                                               const std::vector<Mode>& modes,
+                                               const Settings& settings);
+
 /// Generation with mha-train's default char LM (CharLMOptions(65, 64):
 /// rotary, window 64; random weights, seeded): `new_tokens` greedy
 /// characters after a random `prompt`-character prompt, through the KV

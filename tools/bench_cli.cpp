@@ -79,7 +79,9 @@ void add_options(CLI::App& app, Args& args) {
       ->check(CLI::IsMember({"auto", "clear_refs", "fork"}));
   app.add_option("--variants", args.variant_texts,
                  "tables after the comparison (repeatable or "
-                 "comma-separated): window (causal cost with and without a "
+                 "comma-separated): projections (torch::nn's projections "
+                 "alone, timed with both contenders at L <= 256: the time "
+                 "they share), window (causal cost with and without a "
                  "256-key sliding window, L = 1024..8192), generation "
                  "(mha-train's default char LM, 256 characters after a "
                  "256-character prompt, KV cache vs recomputation; and "
@@ -87,8 +89,8 @@ void add_options(CLI::App& app, Args& args) {
                  "lengths through one left-padded KV cache vs one at a "
                  "time, tokens/s, outputs compared), none; default: all")
       ->delimiter(',')
-      ->check(
-          CLI::IsMember({"window", "generation", "batched-decode", "none"}));
+      ->check(CLI::IsMember(
+          {"projections", "window", "generation", "batched-decode", "none"}));
   app.add_option("--memory-child", args.memory_child_spec)->group("");
   app.add_flag("--plant-fault", args.plant_fault,
                "self-test: shift one bias of mha's and the SDPA contender's "

@@ -1,8 +1,8 @@
 // mha-bench's report: the environment lines (with the GEMM ceiling), one
-// table row per (configuration, mode), the sliding-window and generation
-// tables (with batched decoding), the summary and the --json document. Every
-// number is measured in bench.cpp / bench_batched_decode.cpp and formatted
-// here, once.
+// table row per (configuration, mode), the projections, sliding-window and
+// generation tables (with batched decoding), the summary and the --json
+// document. Every number is measured in bench.cpp / bench_batched_decode.cpp
+// and formatted here, once.
 //
 // Glossary: N batch, L sequence length (S = L), E embed_dim, H num_heads,
 // F dim_feedforward (4E in the encoder rows).
@@ -182,6 +182,56 @@ nlohmann::json window_table(bool quick, const Settings& settings) {
                     {"windowed_ms", r.windowed_ms},
                     {"full_ms", r.full_ms}});
   }
+  std::fflush(stdout);
+  return json;
+}
+
+/// The projections table: measured (shapes with L <= kMaxProjectionLength,
+/// where the projections are a large share of a call), printed, and its
+/// JSON rows.
+nlohmann::json projections_table(const Plan& plan, const Settings& settings) {
+  constexpr int64_t kMaxProjectionLength = 256;
+  std::vector<Shape> shapes;
+  for (const auto& shape : plan.shapes) {
+    if (shape.length <= kMaxProjectionLength) {
+      shapes.push_back(shape);
+    }
+  }
+  fmt::print(
+      "\nprojections: torch::nn's in_proj and out_proj alone (the value third "
+      "of the packed in-projection straight to out_proj, no attention "
+      "between),\nthe work every contender shares; shapes with L <= {}; "
+      "medians of interleaved runs\n",
+      kMaxProjectionLength);
+  fmt::print("{:<16} {:<12} {:>4} {:>14} {:>12} {:>9} {:>8} {:>16}\n",
+             "config N,L,E,H", "mode", "reps", "projections ms", "torch::nn ms",
+             "mha ms", "proj/nn", "attention mha/nn");
+  auto json = nlohmann::json::array();
+  for (const auto& r : measure_projections(shapes, plan.modes, settings)) {
+    const double nn_attention = r.torch_nn_ms - r.projections_ms;
+    const double mha_attention = r.mha_ms - r.projections_ms;
+    const bool comparable = nn_attention > 0 && mha_attention > 0;
+    const auto attention_ratio =
+        comparable ? nlohmann::json(mha_attention / nn_attention)
+                   : nlohmann::json(nullptr);
+    fmt::print(
+        "{:<16} {:<12} {:>4} {:>14.3f} {:>12.3f} {:>9.3f} {:>8.2f} {:>16}\n",
+        to_string(r.shape), name(r.mode), r.reps, r.projections_ms,
+        r.torch_nn_ms, r.mha_ms, r.projections_ms / r.torch_nn_ms,
+        comparable ? fmt::format("{:.2f}", mha_attention / nn_attention)
+                   : std::string("-"));
+    json.push_back({{"config", to_string(r.shape)},
+                    {"mode", name(r.mode)},
+                    {"reps", r.reps},
+                    {"projections_ms", r.projections_ms},
+                    {"torch_nn_ms", r.torch_nn_ms},
+                    {"mha_ms", r.mha_ms},
+                    {"attention_ratio", attention_ratio}});
+  }
+  fmt::print(
+      "proj/nn = projections / torch::nn: the least mha/nn can be with the "
+      "same projections; attention mha/nn = (mha - projections) / (torch::nn "
+      "- projections)\n");
   std::fflush(stdout);
   return json;
 }
@@ -433,13 +483,17 @@ void print_row(const RowResult& row, MemoryMethod memory) {
   std::fflush(stdout);
 }
 
-Variants run_variants(const Args& args, const Settings& settings) {
+Variants run_variants(const Args& args, const Plan& plan,
+                      const Settings& settings) {
   auto wants = [&](const char* variant) {
     return args.variant_texts.empty() ||
            std::find(args.variant_texts.begin(), args.variant_texts.end(),
                      variant) != args.variant_texts.end();
   };
   Variants v;
+  if (wants("projections")) {
+    v.projections = projections_table(plan, settings);
+  }
   if (wants("window")) {
     v.window = window_table(args.quick, settings);
   }
@@ -594,6 +648,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
     json_rows.push_back(to_json(row));
   }
   doc["rows"] = json_rows;
+  doc["projections"] = variants.projections;
   doc["window"] = variants.window;
   doc["generation"] = variants.generation;
   doc["batched_decode"] = variants.batched_decode;

@@ -84,12 +84,13 @@ void warm_up(const std::vector<Mode>& modes, const Settings& settings);
 /// One table row, and the error lines of a contender that threw.
 void print_row(const RowResult& row, MemoryMethod memory);
 
-/// The variants' tables (window, generation, batched decoding): not
-/// comparisons with torch::nn. Each measured and printed when --variants
-/// asks for it ("generation" prints the char LM line and the batched
-/// decoding table; "batched-decode" the table alone; the char LM line is
-/// CPU only).
+/// The variants' tables (projections, window, generation, batched
+/// decoding): no results checked against torch::nn's. Each measured and printed
+/// when --variants asks for it ("generation" prints the char LM line and the
+/// batched decoding table; "batched-decode" the table alone; the char LM line
+/// is CPU only).
 struct Variants {
+  nlohmann::json projections = nullptr;
   nlohmann::json window = nullptr;
   nlohmann::json generation = nullptr;
   nlohmann::json batched_decode = nullptr;
@@ -97,7 +98,8 @@ struct Variants {
   /// batched decoding's outputs from one sequence at a time's.
   bool generation_differs = false;
 };
-Variants run_variants(const Args& args, const Settings& settings);
+Variants run_variants(const Args& args, const Plan& plan,
+                      const Settings& settings);
 
 /// What the rows add up to.
 struct Summary {

@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
       bench::print_row(rows.back(), settings->memory);
     }
   }
-  const auto variants = bench::run_variants(args, *settings);
+  const auto variants = bench::run_variants(args, *plan, *settings);
 
   const auto summary = bench::summarize_rows(rows, variants.generation_differs);
   const double elapsed_s =
