@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "blas_gemm.h"
 #include "blocked_attention.h"
 
 namespace mha::detail {
@@ -97,18 +98,6 @@ RowLimits whole_row_limits(const KeyPositions& positions) {
   return limits;
 }
 
-/// out = scale · a · b for batches of matrices (out: a view to write
-/// into). Not baddbmm with beta = 0 on an uninitialised `out`: LibTorch
-/// 1.13's kernel for tiny matrices (under 400 multiply-adds) adds beta · NaN
-/// as NaN.
-void scaled_bmm_out(torch::Tensor out, const torch::Tensor& a,
-                    const torch::Tensor& b, double scale) {
-  at::bmm_out(out, a, b);
-  if (scale != 1.0) {
-    out.mul_(scale);
-  }
-}
-
 /// The inputs of the one-block path as batches of matrices.
 struct Stacked {
   int64_t N, H, Hkv, G, L, S;
@@ -141,7 +130,7 @@ void range_weights(torch::Tensor& p, const Stacked& in,
                    const torch::Tensor& relative_bias, const BlockedSpec& spec,
                    const PairRange& r) {
   const auto L = in.L, S = in.S;
-  scaled_bmm_out(r.of(p), r.of(in.q), r.of(in.k).transpose(1, 2), spec.scale);
+  batched_gemm_out(r.of(p), r.of(in.q), r.of(in.k).transpose(1, 2), spec.scale);
   auto p4 = r.per_head(p, L);  // (n, h, L, S)
   if (spec.mask.defined()) {
     p4.add_(r.heads(spec.mask)).masked_fill_(r.heads(spec.blocked), kNegInf);
@@ -187,7 +176,7 @@ BlockedForward batched_forward(const torch::Tensor& q, const torch::Tensor& k,
   for_each_pair_range(N, in.Hkv, in.G, work, q.options(),
                       [&](const PairRange& r) {
                         range_weights(p, in, relative_bias, spec, r);
-                        scaled_bmm_out(r.of(out), r.of(p), r.of(in.v), 1.0);
+                        batched_gemm_out(r.of(out), r.of(p), r.of(in.v), 1.0);
                         if (spec.empty.defined()) {
                           // 0 · (a non-finite value) would be NaN: a fully
                           // masked row is 0.
@@ -240,8 +229,8 @@ BlockedGradients batched_backward(
         }
         const auto p_r = r.of(p), go_r = r.of(go);
         auto dp_r = r.of(dp), ds_r = r.of(ds);
-        scaled_bmm_out(r.of(dv), p_r.transpose(1, 2), go_r, 1.0);
-        at::bmm_out(dp_r, go_r, r.of(in.v).transpose(1, 2));
+        batched_gemm_out(r.of(dv), p_r.transpose(1, 2), go_r, 1.0);
+        batched_gemm_out(dp_r, go_r, r.of(in.v).transpose(1, 2), 1.0);
         if (grad_weights.defined()) {
           auto dp4 = r.per_head(dp, L);
           if (spec.weights == WeightsMode::kPerHead) {
@@ -264,8 +253,9 @@ BlockedGradients batched_backward(
           d_bias.narrow(0, r.first() * r.G, r.count() * r.G)
               .index_add_(1, bias_index, ds_r.view({-1, L * S}));
         }
-        scaled_bmm_out(r.of(dq), ds_r, r.of(in.k), spec.scale);
-        scaled_bmm_out(r.of(dk), ds_r.transpose(1, 2), r.of(in.q), spec.scale);
+        batched_gemm_out(r.of(dq), ds_r, r.of(in.k), spec.scale);
+        batched_gemm_out(r.of(dk), ds_r.transpose(1, 2), r.of(in.q),
+                         spec.scale);
       });
   BlockedGradients g;
   g.dq = dq.view(q.sizes());  // (N, H, L, D)

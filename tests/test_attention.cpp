@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attention_core.h"
+#include "blas_gemm.h"
 #include "blas_threads.h"
 #include "fused_softmax.h"
 #include "mha/attention.h"
@@ -1534,4 +1535,80 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
       torch::ones({1, 2, 4}), k, torch::randn({1, 3, 2}), blocked);
   EXPECT_FALSE(has_nan(out));
   EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
+}
+
+// batched_gemm_out (src/blas_gemm.h): the one-block path's products, BLAS's
+// gemm called directly. Every layout the path passes (plain, transposed
+// views, rows of a wider buffer, matrices of one row), both dtypes, both
+// sides of ATen's 400 multiply-add threshold; against a float64 product
+// and, bit for bit, against ATen's bmm followed by the same multiply (the
+// results the path had before, which mha-parity's numbers depend on).
+TEST(BatchedGemmOut, MatchesAtenBmmBitForBit) {
+  torch::manual_seed(7);
+  struct Case {
+    int64_t batch, m, k, n;
+  };
+  // m·n·k: 2048, 6144 (decoding step: one row), 60 (ATen's own loop), 0.
+  const std::vector<Case> cases = {
+      {8, 16, 8, 16}, {6, 1, 64, 96}, {3, 3, 4, 5}, {2, 4, 0, 3}};
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (const auto& c : cases) {
+      for (const bool a_transposed : {false, true}) {
+        for (const bool b_transposed : {false, true}) {
+          for (const double alpha : {1.0, 0.125}) {
+            const auto opts = torch::TensorOptions().dtype(dtype);
+            auto a =
+                a_transposed
+                    ? torch::randn({c.batch, c.k, c.m}, opts).transpose(1, 2)
+                    : torch::randn({c.batch, c.m, c.k}, opts);
+            auto b =
+                b_transposed
+                    ? torch::randn({c.batch, c.n, c.k}, opts).transpose(1, 2)
+                    : torch::randn({c.batch, c.k, c.n}, opts);
+            // out: columns [1, 1 + n) of a wider buffer filled with NaN,
+            // which must never be read.
+            auto buffer =
+                torch::full({c.batch, c.m, c.n + 3},
+                            std::numeric_limits<double>::quiet_NaN(), opts);
+            auto out = buffer.narrow(2, 1, c.n);
+            mha::detail::batched_gemm_out(out, a, b, alpha);
+
+            auto expected = torch::empty({c.batch, c.m, c.n}, opts);
+            at::bmm_out(expected, a, b);
+            expected.mul_(alpha);
+            const auto reference =
+                torch::bmm(a.to(torch::kFloat64), b.to(torch::kFloat64)) *
+                alpha;
+            SCOPED_TRACE(::testing::Message()
+                         << c10::toString(dtype) << " (" << c.batch << ", "
+                         << c.m << ", " << c.k << ", " << c.n
+                         << ") a_transposed " << a_transposed
+                         << " b_transposed " << b_transposed << " alpha "
+                         << alpha);
+            EXPECT_TRUE(torch::equal(out, expected))
+                << "max abs difference from ATen's bmm "
+                << (out - expected).abs().max().item<double>();
+            EXPECT_TRUE(torch::allclose(out.to(torch::kFloat64), reference,
+                                        1e-5, 1e-5));
+            // The columns around out are untouched.
+            EXPECT_TRUE(buffer.narrow(2, 0, 1).isnan().all().item<bool>());
+            EXPECT_TRUE(
+                buffer.narrow(2, 1 + c.n, 2).isnan().all().item<bool>());
+          }
+        }
+      }
+    }
+  }
+}
+
+// Debian's LibTorch calls the system BLAS, so the direct calls are what the
+// tests above cover there; a build whose BLAS hides its symbols (MKL linked
+// statically) takes at::bmm_out and still passes them.
+TEST(BatchedGemmOut, FindsBlasGemmWhereAtenUsesTheSystemBlas) {
+  if (!mha::detail::SingleThreadedBlas::available()) {
+    GTEST_SKIP() << "the loaded BLAS is not OpenBLAS";
+  }
+  EXPECT_TRUE(mha::detail::direct_gemm_available(torch::kFloat32));
+  EXPECT_TRUE(mha::detail::direct_gemm_available(torch::kFloat64));
+  EXPECT_FALSE(mha::detail::direct_gemm_available(torch::kBFloat16));
 }

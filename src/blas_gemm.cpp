@@ -1,0 +1,160 @@
+// Batched matrix products through BLAS's gemm, called directly: see
+// blas_gemm.h for why.
+#include "blas_gemm.h"
+
+#include <dlfcn.h>
+
+#include <climits>
+#include <cstdint>
+
+namespace mha::detail {
+
+namespace {
+
+// The Fortran BLAS interface (column-major, every argument by pointer),
+// LP64: int dimensions, as Debian's libblas.so.3 alternatives and
+// OpenBLAS's default build export it.
+template <typename T>
+using FortranGemm = void (*)(const char* transa, const char* transb,
+                             const int* m, const int* n, const int* k,
+                             const T* alpha, const T* a, const int* lda,
+                             const T* b, const int* ldb, const T* beta, T* c,
+                             const int* ldc);
+
+struct Gemms {
+  FortranGemm<float> sgemm = nullptr;
+  FortranGemm<double> dgemm = nullptr;
+
+  static const Gemms& instance() {
+    static const Gemms gemms = [] {
+      Gemms g;
+      // dlsym returns void*; POSIX guarantees the cast to a function pointer.
+      g.sgemm =
+          reinterpret_cast<FortranGemm<float>>(dlsym(RTLD_DEFAULT, "sgemm_"));
+      g.dgemm =
+          reinterpret_cast<FortranGemm<double>>(dlsym(RTLD_DEFAULT, "dgemm_"));
+      return g;
+    }();
+    return gemms;
+  }
+};
+
+template <typename T>
+FortranGemm<T> gemm_for();
+template <>
+FortranGemm<float> gemm_for<float>() {
+  return Gemms::instance().sgemm;
+}
+template <>
+FortranGemm<double> gemm_for<double>() {
+  return Gemms::instance().dgemm;
+}
+
+/// ATen's CPU bmm multiplies matrices with fewer multiply-adds than this
+/// (m·n·k) in its own loop rather than through BLAS
+/// (bmm_out_or_baddbmm_ in aten/src/ATen/native/LinearAlgebra.cpp, 1.13
+/// to 2.x). Below it batched_gemm_out calls at::bmm_out too, so that its
+/// results stay those of ATen's bmm bit for bit on either side.
+constexpr int64_t kAtenBlasMinWork = 400;
+
+bool fits_int(int64_t x) { return x >= 0 && x <= INT_MAX; }
+
+/// How BLAS reads one row-major (rows x cols) matrix with strides
+/// (row_stride, col_stride): column-major memory with leading dim `ld` is
+/// the matrix transposed ('N', unit column stride) or the matrix itself
+/// ('T', unit row stride). A dim of size 1 lets its stride be anything.
+struct Operand {
+  char trans = 'N';
+  int64_t ld = 1;
+  bool ok = false;
+};
+
+Operand operand(int64_t rows, int64_t cols, int64_t row_stride,
+                int64_t col_stride) {
+  Operand o;
+  if (col_stride == 1 || cols == 1) {
+    o.trans = 'N';
+    o.ld = rows == 1 ? std::max<int64_t>(cols, 1) : row_stride;
+    o.ok = o.ld >= std::max<int64_t>(cols, 1);
+    if (o.ok) {
+      return o;
+    }
+  }
+  if (row_stride == 1 || rows == 1) {
+    o.trans = 'T';
+    o.ld = cols == 1 ? std::max<int64_t>(rows, 1) : col_stride;
+    o.ok = o.ld >= std::max<int64_t>(rows, 1);
+  }
+  return o;
+}
+
+/// The direct calls; false (nothing written) where they do not apply.
+template <typename T>
+bool direct_gemm(const torch::Tensor& out, const torch::Tensor& a,
+                 const torch::Tensor& b, double alpha) {
+  const auto gemm = gemm_for<T>();
+  const int64_t batch = out.size(0), m = out.size(1), n = out.size(2);
+  const int64_t k = a.size(2);
+  if (gemm == nullptr || m * n * k < kAtenBlasMinWork) {
+    return false;
+  }
+  // Column-major BLAS computes outᵀ (n x m) = bᵀ (n x k) · aᵀ (k x m) into
+  // out's row-major memory.
+  const Operand oa = operand(m, k, a.stride(1), a.stride(2));
+  const Operand ob = operand(k, n, b.stride(1), b.stride(2));
+  const Operand oc = operand(m, n, out.stride(1), out.stride(2));
+  if (!oa.ok || !ob.ok || !oc.ok || oc.trans != 'N' ||
+      !(fits_int(m) && fits_int(n) && fits_int(k) && fits_int(oa.ld) &&
+        fits_int(ob.ld) && fits_int(oc.ld))) {
+    return false;
+  }
+  const int im = static_cast<int>(m), in = static_cast<int>(n),
+            ik = static_cast<int>(k), lda = static_cast<int>(oa.ld),
+            ldb = static_cast<int>(ob.ld), ldc = static_cast<int>(oc.ld);
+  const T t_alpha = static_cast<T>(alpha), t_beta = 0;
+  const T* pa = a.data_ptr<T>();
+  const T* pb = b.data_ptr<T>();
+  T* pc = out.data_ptr<T>();
+  for (int64_t i = 0; i < batch; ++i) {
+    gemm(&ob.trans, &oa.trans, &in, &im, &ik, &t_alpha, pb + i * b.stride(0),
+         &ldb, pa + i * a.stride(0), &lda, &t_beta, pc + i * out.stride(0),
+         &ldc);
+  }
+  return true;
+}
+
+}  // namespace
+
+bool direct_gemm_available(torch::ScalarType dtype) {
+  return (dtype == torch::kFloat32 && Gemms::instance().sgemm != nullptr) ||
+         (dtype == torch::kFloat64 && Gemms::instance().dgemm != nullptr);
+}
+
+void batched_gemm_out(const torch::Tensor& out, const torch::Tensor& a,
+                      const torch::Tensor& b, double alpha) {
+  TORCH_INTERNAL_ASSERT(out.dim() == 3 && a.dim() == 3 && b.dim() == 3);
+  TORCH_INTERNAL_ASSERT(a.size(0) == out.size(0) && b.size(0) == out.size(0) &&
+                        a.size(1) == out.size(1) && b.size(2) == out.size(2) &&
+                        a.size(2) == b.size(1));
+  TORCH_INTERNAL_ASSERT(a.scalar_type() == out.scalar_type() &&
+                        b.scalar_type() == out.scalar_type());
+  const bool cpu = out.is_cpu() && a.is_cpu() && b.is_cpu();
+  if (cpu && out.scalar_type() == torch::kFloat32 &&
+      direct_gemm<float>(out, a, b, alpha)) {
+    return;
+  }
+  if (cpu && out.scalar_type() == torch::kFloat64 &&
+      direct_gemm<double>(out, a, b, alpha)) {
+    return;
+  }
+  // Not baddbmm with beta = 0 on an uninitialised `out`: LibTorch 1.13's
+  // kernel for tiny matrices (under 400 multiply-adds) adds beta · NaN as
+  // NaN.
+  torch::Tensor result = out;
+  at::bmm_out(result, a, b);
+  if (alpha != 1.0) {
+    result.mul_(alpha);
+  }
+}
+
+}  // namespace mha::detail

@@ -1,0 +1,43 @@
+// Internal: batched matrix products for the blocked path's one-block form
+// (src/one_block_attention.cpp), calling BLAS's gemm directly. Not
+// installed.
+//
+// Why: LibTorch 1.13's CPU bmm without MKL (Debian's build) runs each
+// matrix of the batch as its own addmm, with three select views and the
+// dispatcher around each; for the small matrices of a decoding step or a
+// short chunk that is most of the time. Measured here (OpenBLAS 0.3.21, 2
+// threads, float32): 8 products of (16 x 8)·(8 x 16) took 11-14 µs
+// through at::bmm_out and 1.7-1.8 µs as 8 direct sgemm_ calls, with equal
+// results bit for bit; 32 products of (8 x 64)·(64 x 128) 149-194 against
+// 109-120 µs.
+//
+// Glossary: B batch of matrices, m x k times k x n gives m x n.
+#pragma once
+
+#include <torch/torch.h>
+
+namespace mha::detail {
+
+/// out[i] = alpha · a[i] · b[i] for every i < B, every element of out
+/// written (out's prior contents, NaN included, never read).
+///
+/// Shapes: out (B, m, n), a (B, m, k), b (B, k, n); all three CPU tensors of
+/// one dtype. Where the dtype is float32 or float64, BLAS's Fortran gemm
+/// (sgemm_ / dgemm_, the interface ATen's CPU gemm calls) is found among
+/// the loaded libraries, m·n·k is at least 400 (below it ATen's bmm uses
+/// its own loop, not BLAS), and each matrix has unit stride in one of its
+/// last two dims (out in its last) with sizes and leading dims that fit an
+/// int, the products are one gemm call per matrix on the calling thread,
+/// the call ATen's bmm makes for each matrix (same results); otherwise
+/// at::bmm_out, then a multiply by alpha unless it is 1. BLAS's
+/// own threads are used as set (mha's loops set one per call:
+/// blas_threads.h). Shapes and dtypes are the caller's contract (internal;
+/// checked with TORCH_INTERNAL_ASSERT).
+void batched_gemm_out(const torch::Tensor& out, const torch::Tensor& a,
+                      const torch::Tensor& b, double alpha);
+
+/// True when batched_gemm_out finds BLAS's gemm for this dtype (the tests
+/// use it to know which side they cover).
+bool direct_gemm_available(torch::ScalarType dtype);
+
+}  // namespace mha::detail
