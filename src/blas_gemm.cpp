@@ -2,8 +2,10 @@
 // blas_gemm.h for why.
 #include "blas_gemm.h"
 
+#include <ATen/Context.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -21,6 +23,9 @@ using FortranGemm = void (*)(const char* transa, const char* transb,
                              const T* b, const int* ldb, const T* beta, T* c,
                              const int* ldc);
 
+/// The gemm functions batched_gemm_out calls: none in a LibTorch built
+/// with MKL, whose bmm makes one batched MKL call rather than a BLAS call
+/// per matrix (calling BLAS here would change its results' rounding).
 struct Gemms {
   FortranGemm<float> sgemm = nullptr;
   FortranGemm<double> dgemm = nullptr;
@@ -28,6 +33,9 @@ struct Gemms {
   static const Gemms& instance() {
     static const Gemms gemms = [] {
       Gemms g;
+      if (at::hasMKL()) {
+        return g;
+      }
       // dlsym returns void*; POSIX guarantees the cast to a function pointer.
       g.sgemm =
           reinterpret_cast<FortranGemm<float>>(dlsym(RTLD_DEFAULT, "sgemm_"));

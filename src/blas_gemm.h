@@ -22,12 +22,13 @@ namespace mha::detail {
 /// written (out's prior contents, NaN included, never read).
 ///
 /// Shapes: out (B, m, n), a (B, m, k), b (B, k, n); all three CPU tensors of
-/// one dtype. Where the dtype is float32 or float64, BLAS's Fortran gemm
-/// (sgemm_ / dgemm_, the interface ATen's CPU gemm calls) is found among
-/// the loaded libraries, m·n·k is at least 400 (below it ATen's bmm uses
-/// its own loop, not BLAS), and each matrix has unit stride in one of its
-/// last two dims (out in its last) with sizes and leading dims that fit an
-/// int, the products are one gemm call per matrix on the calling thread,
+/// one dtype. Where LibTorch is built without MKL (its bmm then calls BLAS
+/// once per matrix: Debian's builds), the dtype is float32 or float64,
+/// BLAS's Fortran gemm (sgemm_ / dgemm_, the interface ATen's CPU gemm
+/// calls) is found among the loaded libraries, m·n·k is at least 400 (below it
+/// ATen's bmm uses its own loop, not BLAS), and each matrix has unit stride in
+/// one of its last two dims (out in its last) with sizes and leading dims that
+/// fit an int, the products are one gemm call per matrix on the calling thread,
 /// the call ATen's bmm makes for each matrix (same results); otherwise
 /// at::bmm_out, then a multiply by alpha unless it is 1. BLAS's
 /// own threads are used as set (mha's loops set one per call:
@@ -36,8 +37,8 @@ namespace mha::detail {
 void batched_gemm_out(const torch::Tensor& out, const torch::Tensor& a,
                       const torch::Tensor& b, double alpha);
 
-/// True when batched_gemm_out finds BLAS's gemm for this dtype (the tests
-/// use it to know which side they cover).
+/// True when batched_gemm_out calls BLAS's gemm itself for this dtype
+/// (no MKL in LibTorch, the gemm symbol found).
 bool direct_gemm_available(torch::ScalarType dtype);
 
 }  // namespace mha::detail

@@ -1601,9 +1601,9 @@ TEST(BatchedGemmOut, MatchesAtenBmmBitForBit) {
   }
 }
 
-// Debian's LibTorch calls the system BLAS, so the direct calls are what the
-// tests above cover there; a build whose BLAS hides its symbols (MKL linked
-// statically) takes at::bmm_out and still passes them.
+// Debian's LibTorch (no MKL) calls the system BLAS, so the direct calls are
+// what the test above covers there; a LibTorch built with MKL takes
+// at::bmm_out and passes it trivially.
 TEST(BatchedGemmOut, FindsBlasGemmWhereAtenUsesTheSystemBlas) {
   if (!mha::detail::SingleThreadedBlas::available()) {
     GTEST_SKIP() << "the loaded BLAS is not OpenBLAS";
