@@ -107,11 +107,21 @@ bool direct_gemm(const torch::Tensor& out, const torch::Tensor& a,
     return false;
   }
   // Column-major BLAS computes outᵀ (n x m) = bᵀ (n x k) · aᵀ (k x m) into
-  // out's row-major memory.
+  // out's row-major memory. ATen's addmm (which its bmm calls per matrix)
+  // makes this call only for a row-major out; it computes a column-major
+  // out (such as a contiguous (m, 1) one: strides (1, 1)) as out = a · b,
+  // and copies any other out, which can round differently (float64, n = 1,
+  // OpenBLAS 0.3.21): those go to at::bmm_out.
+  const int64_t out_rows = out.stride(1), out_cols = out.stride(2);
+  const bool aten_column_major =
+      out_rows == 1 && (n == 1 || out_cols >= std::max<int64_t>(1, m));
+  const bool aten_row_major =
+      out_cols == 1 && (m == 1 || out_rows >= std::max<int64_t>(1, n));
   const Operand oa = operand(m, k, a.stride(1), a.stride(2));
   const Operand ob = operand(k, n, b.stride(1), b.stride(2));
-  const Operand oc = operand(m, n, out.stride(1), out.stride(2));
-  if (!oa.ok || !ob.ok || !oc.ok || oc.trans != 'N' ||
+  const Operand oc = operand(m, n, out_rows, out_cols);
+  if (aten_column_major || !aten_row_major || !oa.ok || !ob.ok || !oc.ok ||
+      oc.trans != 'N' ||
       !(fits_int(m) && fits_int(n) && fits_int(k) && fits_int(oa.ld) &&
         fits_int(ob.ld) && fits_int(oc.ld))) {
     return false;

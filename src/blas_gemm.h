@@ -26,9 +26,12 @@ namespace mha::detail {
 /// once per matrix: Debian's builds), the dtype is float32 or float64,
 /// BLAS's Fortran gemm (sgemm_ / dgemm_, the interface ATen's CPU gemm
 /// calls) is found among the loaded libraries, m·n·k is at least 400 (below it
-/// ATen's bmm uses its own loop, not BLAS), and each matrix has unit stride in
-/// one of its last two dims (out in its last) with sizes and leading dims that
-/// fit an int, the products are one gemm call per matrix on the calling thread,
+/// ATen's bmm uses its own loop, not BLAS), each matrix of a and b has unit
+/// stride in one of its last two dims, out's matrices are row-major (unit
+/// column stride, not also readable as column-major: ATen computes those,
+/// such as a contiguous one-column out, another way), and sizes and leading
+/// dims fit an int, the products are one gemm call per matrix on the calling
+/// thread,
 /// the call ATen's bmm makes for each matrix (same results); otherwise
 /// at::bmm_out, then a multiply by alpha unless it is 1. BLAS's
 /// own threads are used as set (mha's loops set one per call:

@@ -1548,52 +1548,66 @@ TEST(BatchedGemmOut, MatchesAtenBmmBitForBit) {
   struct Case {
     int64_t batch, m, k, n;
   };
-  // m·n·k: 2048, 6144 (decoding step: one row), 60 (ATen's own loop), 0.
-  const std::vector<Case> cases = {
-      {8, 16, 8, 16}, {6, 1, 64, 96}, {3, 3, 4, 5}, {2, 4, 0, 3}};
+  // m·n·k: 2048, 6144 (decoding step: one row), 2048 (one column: a
+  // contiguous out is also column-major, which ATen computes another way),
+  // 60 (ATen's own loop), 0.
+  const std::vector<Case> cases = {{8, 16, 8, 16},
+                                   {6, 1, 64, 96},
+                                   {4, 32, 64, 1},
+                                   {3, 3, 4, 5},
+                                   {2, 4, 0, 3}};
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     for (const auto& c : cases) {
       for (const bool a_transposed : {false, true}) {
         for (const bool b_transposed : {false, true}) {
           for (const double alpha : {1.0, 0.125}) {
-            const auto opts = torch::TensorOptions().dtype(dtype);
-            auto a =
-                a_transposed
-                    ? torch::randn({c.batch, c.k, c.m}, opts).transpose(1, 2)
-                    : torch::randn({c.batch, c.m, c.k}, opts);
-            auto b =
-                b_transposed
-                    ? torch::randn({c.batch, c.n, c.k}, opts).transpose(1, 2)
-                    : torch::randn({c.batch, c.k, c.n}, opts);
-            // out: columns [1, 1 + n) of a wider buffer filled with NaN,
-            // which must never be read.
-            auto buffer =
-                torch::full({c.batch, c.m, c.n + 3},
-                            std::numeric_limits<double>::quiet_NaN(), opts);
-            auto out = buffer.narrow(2, 1, c.n);
-            mha::detail::batched_gemm_out(out, a, b, alpha);
+            for (const bool contiguous_out : {false, true}) {
+              const auto opts = torch::TensorOptions().dtype(dtype);
+              auto a =
+                  a_transposed
+                      ? torch::randn({c.batch, c.k, c.m}, opts).transpose(1, 2)
+                      : torch::randn({c.batch, c.m, c.k}, opts);
+              auto b =
+                  b_transposed
+                      ? torch::randn({c.batch, c.n, c.k}, opts).transpose(1, 2)
+                      : torch::randn({c.batch, c.k, c.n}, opts);
+              // out: contiguous, or columns [1, 1 + n) of a wider buffer;
+              // filled with NaN, which must never be read.
+              auto buffer =
+                  torch::full({c.batch, c.m, c.n + (contiguous_out ? 0 : 3)},
+                              std::numeric_limits<double>::quiet_NaN(), opts);
+              auto out = contiguous_out ? buffer : buffer.narrow(2, 1, c.n);
+              mha::detail::batched_gemm_out(out, a, b, alpha);
 
-            auto expected = torch::empty({c.batch, c.m, c.n}, opts);
-            at::bmm_out(expected, a, b);
-            expected.mul_(alpha);
-            const auto reference =
-                torch::bmm(a.to(torch::kFloat64), b.to(torch::kFloat64)) *
-                alpha;
-            SCOPED_TRACE(::testing::Message()
-                         << c10::toString(dtype) << " (" << c.batch << ", "
-                         << c.m << ", " << c.k << ", " << c.n
-                         << ") a_transposed " << a_transposed
-                         << " b_transposed " << b_transposed << " alpha "
-                         << alpha);
-            EXPECT_TRUE(torch::equal(out, expected))
-                << "max abs difference from ATen's bmm "
-                << (out - expected).abs().max().item<double>();
-            EXPECT_TRUE(torch::allclose(out.to(torch::kFloat64), reference,
-                                        1e-5, 1e-5));
-            // The columns around out are untouched.
-            EXPECT_TRUE(buffer.narrow(2, 0, 1).isnan().all().item<bool>());
-            EXPECT_TRUE(
-                buffer.narrow(2, 1 + c.n, 2).isnan().all().item<bool>());
+              // ATen's bmm into an out of the same layout (its addmm
+              // computes a row-major and a column-major out differently).
+              auto expected_buffer = torch::empty_like(buffer);
+              auto expected = contiguous_out
+                                  ? expected_buffer
+                                  : expected_buffer.narrow(2, 1, c.n);
+              at::bmm_out(expected, a, b);
+              expected.mul_(alpha);
+              const auto reference =
+                  torch::bmm(a.to(torch::kFloat64), b.to(torch::kFloat64)) *
+                  alpha;
+              SCOPED_TRACE(::testing::Message()
+                           << c10::toString(dtype) << " (" << c.batch << ", "
+                           << c.m << ", " << c.k << ", " << c.n
+                           << ") a_transposed " << a_transposed
+                           << " b_transposed " << b_transposed << " alpha "
+                           << alpha << " contiguous_out " << contiguous_out);
+              EXPECT_TRUE(torch::equal(out, expected))
+                  << "max abs difference from ATen's bmm "
+                  << (out - expected).abs().max().item<double>();
+              EXPECT_TRUE(torch::allclose(out.to(torch::kFloat64), reference,
+                                          1e-5, 1e-5));
+              // The columns around out are untouched.
+              if (!contiguous_out) {
+                EXPECT_TRUE(buffer.narrow(2, 0, 1).isnan().all().item<bool>());
+                EXPECT_TRUE(
+                    buffer.narrow(2, 1 + c.n, 2).isnan().all().item<bool>());
+              }
+            }
           }
         }
       }
