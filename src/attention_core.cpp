@@ -16,8 +16,6 @@
 namespace mha::detail {
 namespace {
 
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
 /// Weights (..., L, S) in the requested form.
 torch::Tensor shape_weights(const torch::Tensor& weights, WeightsMode mode) {
   switch (mode) {

@@ -12,6 +12,9 @@
 
 namespace mha::detail {
 
+/// -inf, the score of a position a query does not attend to.
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
 /// Which attention weights an attention step returns.
 enum class WeightsMode {
   kNone,     ///< none (undefined tensor): the fastest path

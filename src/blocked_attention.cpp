@@ -17,11 +17,6 @@
 #include "blas_threads.h"
 
 namespace mha::detail {
-namespace {
-
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-}  // namespace
 
 /// In place on p (..., rows, cols): the columns outside each row's `limits`
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes

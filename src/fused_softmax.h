@@ -88,7 +88,7 @@ __attribute__((target("avx2,fma"))) inline float reduce_sum_avx2(__m256 v) {
 /// its mask blocks entirely, decided from the mask, not from these values).
 __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
     float* x, const float* bias, int64_t begin, int64_t end, int64_t cols) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
   std::fill(x, x + begin, 0.0f);
   std::fill(x + std::max(begin, end), x + cols, 0.0f);
   float* row = x + begin;
@@ -96,7 +96,7 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
   if (n <= 0) {
     return;
   }
-  __m256 vmax = _mm256_set1_ps(kNegInf);
+  __m256 vmax = _mm256_set1_ps(kNegInfF);
   int64_t i = 0;
   if (bias != nullptr) {
     const float* b = bias + begin;

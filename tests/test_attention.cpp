@@ -31,11 +31,14 @@
 #include "projection.h"
 #include "test_helpers.h"
 
+// Fixtures outside the anonymous namespace: tests after its end derive
+// from them.
+class ScaledDotProductAttentionTest : public SeededTest {};
+class ScaledDotProductAttentionModuleTest : public SeededTest {};
+
 namespace {
 
 using Result = std::tuple<torch::Tensor, torch::Tensor>;
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 /// Plain float64 reference: weights = softmax(q kᵀ scale + mask), out = w v.
 /// `mask` is additive (or undefined). Differentiable with respect to q, k, v.
@@ -67,9 +70,6 @@ double default_scale(int64_t E) {
 bool has_nan(const torch::Tensor& t) {
   return torch::isnan(t).any().item<bool>();
 }
-
-class ScaledDotProductAttentionTest : public SeededTest {};
-class ScaledDotProductAttentionModuleTest : public SeededTest {};
 
 // ---------------------------------------------------------------- values ---
 
@@ -1317,7 +1317,6 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
     GTEST_SKIP() << "this CPU has no AVX2/FMA: the blocked path uses ATen's "
                     "softmax";
   }
-  constexpr float kInf = std::numeric_limits<float>::infinity();
   torch::manual_seed(11);
   const int64_t rows = 6;
   for (const int64_t cols : {1, 7, 8, 9, 16, 33, 100}) {

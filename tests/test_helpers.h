@@ -4,7 +4,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <string>
+
+/// +inf, as float64 (masks, expected errors).
+constexpr double kInf = std::numeric_limits<double>::infinity();
 
 /// Asserts that `statement` throws c10::Error whose message contains
 /// `substring` (fmt's EXPECT_THROW_MSG idea: the error text is API).

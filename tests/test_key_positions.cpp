@@ -20,7 +20,6 @@
 
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
 using mha::detail::KeyPositions;
 using mha::detail::WeightsMode;
 
@@ -81,12 +80,12 @@ class KeyPositionsTest : public SeededTest {};
 // weights kept or recomputed, on 1 and 2 threads.
 TEST_F(KeyPositionsTest, CorePathsMatchDenseReference) {
   const int64_t N = 2, H = 4, D = 6;
-  struct Case {
+  struct PathCase {
     int64_t L, S;
     bool causal;
     int64_t diagonal, window;
   };
-  std::vector<Case> cases = {
+  std::vector<PathCase> cases = {
       {7, 7, true, 0, 3},   {5, 12, true, 7, 0},  {5, 12, true, 7, 4},
       {12, 5, true, -7, 0}, {9, 9, false, 0, 2},  {6, 10, false, 4, 3},
       {8, 8, true, 0, 1},   {4, 9, false, -3, 0}, {6, 6, true, 2, 0},

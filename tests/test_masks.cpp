@@ -11,8 +11,6 @@
 
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 class MasksTest : public SeededTest {};
 
 /// A bool tensor from nested 0/1 rows.

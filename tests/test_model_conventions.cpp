@@ -22,8 +22,6 @@
 
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 // ------------------------------------------- float64 references by hand ---
 
 /// x (N, H, T, D) float64 with its first R features rotated by hand:

@@ -13,11 +13,10 @@
 #include "mha/parity.h"
 #include "test_helpers.h"
 
-namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
+// Outside the anonymous namespace: tests after its end derive from it.
 class MultiHeadAttentionTest : public SeededTest {};
+
+namespace {
 
 /// Copies parameters by name between two mha modules of the same shapes.
 void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to) {

@@ -28,7 +28,6 @@ using mha::detail::KeyPositions;
 using mha::detail::WeightsMode;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int64_t N = 2, H = 2, L = 6, S = 6, D = 4, Dv = 3;
 constexpr double kScale = 0.5;
 

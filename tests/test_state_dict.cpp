@@ -28,10 +28,10 @@ using StateDict = torch::OrderedDict<std::string, torch::Tensor>;
 class StateDictTest : public SeededTest {};
 
 /// A fresh directory for the test's files, removed when the test ends.
-class TempDir {
+class StateDictDir {
  public:
-  TempDir() : path_(fixtures::temp_dir("state-dict")) {}
-  ~TempDir() {
+  StateDictDir() : path_(fixtures::temp_dir("state-dict")) {}
+  ~StateDictDir() {
     std::error_code ignored;
     fs::remove_all(path_, ignored);
   }
@@ -219,7 +219,7 @@ TEST_F(StateDictTest, StateDictOrderIsPyTorchs) {
 }
 
 TEST_F(StateDictTest, RoundTripBothFormats) {
-  TempDir dir;
+  StateDictDir dir;
   for (const char* name : {"toy.safetensors", "toy.pt", "toy.bin"}) {
     SCOPED_TRACE(name);
     Toy saved;
@@ -240,7 +240,7 @@ TEST_F(StateDictTest, RoundTripBothFormats) {
 }
 
 TEST_F(StateDictTest, WriteReadAllDtypesAndLayouts) {
-  TempDir dir;
+  StateDictDir dir;
   const StateDict tensors = all_dtypes();
   for (const char* name : {"all.safetensors", "all.pt"}) {
     SCOPED_TRACE(name);
@@ -259,7 +259,7 @@ TEST_F(StateDictTest, WriteReadAllDtypesAndLayouts) {
 }
 
 TEST_F(StateDictTest, SavingReplacesAnExistingFile) {
-  TempDir dir;
+  StateDictDir dir;
   write_bytes(dir.file("x.safetensors"), "old");
   Toy toy;
   mha::save_state_dict(*toy, dir.file("x.safetensors"));
@@ -268,7 +268,7 @@ TEST_F(StateDictTest, SavingReplacesAnExistingFile) {
 }
 
 TEST_F(StateDictTest, LoadingConvertsDtypesAndKeepsTheModules) {
-  TempDir dir;
+  StateDictDir dir;
   torch::nn::Linear f64(torch::nn::LinearOptions(4, 3));
   f64->to(torch::kFloat64);
   mha::save_state_dict(*f64, dir.file("f64.safetensors"));
@@ -283,7 +283,7 @@ TEST_F(StateDictTest, LoadingConvertsDtypesAndKeepsTheModules) {
 
 TEST_F(StateDictTest, HeaderExamplesRun) {
   // The examples of include/mha/state_dict.h.
-  TempDir dir;
+  StateDictDir dir;
   mha::MultiHeadAttention attn(8, 2);
   auto sd = mha::state_dict(*attn);  // in_proj_weight, in_proj_bias,
                                      // out_proj.weight, out_proj.bias
@@ -313,7 +313,7 @@ struct PairImpl : torch::nn::Module {
 TORCH_MODULE(Pair);
 
 TEST_F(StateDictTest, StrictListsEveryMissingAndUnexpectedKey) {
-  TempDir dir;
+  StateDictDir dir;
   const std::string file = dir.file("pair.pt");
   mha::save_state_dict(*Pair(8, /*extra=*/false), file);
 
@@ -365,7 +365,7 @@ TEST_F(StateDictTest, StrictListsEveryMissingAndUnexpectedKey) {
 }
 
 TEST_F(StateDictTest, NonStrictReturnsMissingAndUnexpectedKeys) {
-  TempDir dir;
+  StateDictDir dir;
   const std::string file = dir.file("pair.safetensors");
   Pair saved(8, /*extra=*/true);
   mha::save_state_dict(*saved, file);
@@ -389,7 +389,7 @@ TEST_F(StateDictTest, NonStrictReturnsMissingAndUnexpectedKeys) {
 }
 
 TEST_F(StateDictTest, ShapeMismatchesThrowEvenWhenNotStrict) {
-  TempDir dir;
+  StateDictDir dir;
   const std::string file = dir.file("small.pt");
   mha::save_state_dict(*Pair(8, /*extra=*/false), file);
   Pair big(16, /*extra=*/false);
@@ -406,7 +406,7 @@ TEST_F(StateDictTest, ShapeMismatchesThrowEvenWhenNotStrict) {
 // Save errors.
 
 TEST_F(StateDictTest, SaveErrorsNameTheFileAndTheTensor) {
-  TempDir dir;
+  StateDictDir dir;
   StateDict complex;
   complex.insert("z", torch::zeros({2}, torch::kComplexFloat));
   EXPECT_THROW_MSG(mha::write_state_dict(complex, dir.file("z.pt")),
@@ -441,7 +441,7 @@ void expect_refused(const std::string& path, const std::string& substring) {
 }
 
 TEST_F(StateDictTest, HandMadePicklesLoad) {
-  TempDir dir;
+  StateDictDir dir;
   // The plain form, with a 2-D strided view at an offset.
   const std::string file = dir.file("ok.pt");
   std::string data(4 * 10, '\0');
@@ -495,7 +495,7 @@ TEST_F(StateDictTest, HandMadePicklesLoad) {
 }
 
 TEST_F(StateDictTest, RefusesForeignGlobalsAndOpcodes) {
-  TempDir dir;
+  StateDictDir dir;
   // os.system("echo pwned"): refused by name, nothing run.
   Pickle evil;
   evil.proto().global("os", "system").str("echo pwned").op(0x85).op('R');
@@ -535,7 +535,7 @@ TEST_F(StateDictTest, RefusesForeignGlobalsAndOpcodes) {
 }
 
 TEST_F(StateDictTest, RefusesTensorsThatDisagreeWithTheirStorage) {
-  TempDir dir;
+  StateDictDir dir;
   // size (3, 2), stride (2, 1) needs 6 elements, the storage has 4.
   write_zip(dir.file("small.pt"),
             {{"data.pkl", one_tensor("FloatStorage", 4, 0, {3, 2}, {2, 1})},
@@ -578,7 +578,7 @@ TEST_F(StateDictTest, RefusesTensorsThatDisagreeWithTheirStorage) {
 }
 
 TEST_F(StateDictTest, RefusesTruncatedAndMalformedPickles) {
-  TempDir dir;
+  StateDictDir dir;
   const std::string good = one_tensor("FloatStorage", 6, 0, {6}, {1});
   write_zip(dir.file("cut.pt"),
             {{"data.pkl", good.substr(0, good.size() - 1)},  // no STOP
@@ -608,7 +608,7 @@ TEST_F(StateDictTest, RefusesTruncatedAndMalformedPickles) {
 }
 
 TEST_F(StateDictTest, RefusesTruncatedAndForeignFiles) {
-  TempDir dir;
+  StateDictDir dir;
   Toy toy;
   for (const char* name : {"t.safetensors", "t.pt"}) {
     mha::save_state_dict(*toy, dir.file(name));
@@ -633,7 +633,7 @@ TEST_F(StateDictTest, RefusesTruncatedAndForeignFiles) {
 }
 
 TEST_F(StateDictTest, RefusesInconsistentSafetensors) {
-  TempDir dir;
+  StateDictDir dir;
   const std::string f = dir.file("x.safetensors");
   auto refuse = [&](const std::string& header, const std::string& data,
                     const std::string& substring) {
@@ -693,7 +693,7 @@ TEST_F(StateDictTest, RefusesInconsistentSafetensors) {
 
 TEST_F(StateDictTest, RandomlyDamagedFilesNeverCrash) {
   // Damaged bytes either still form a valid file or raise c10::Error.
-  TempDir dir;
+  StateDictDir dir;
   StateDict tensors;
   tensors.insert("a", torch::randn({3, 2}));
   tensors.insert("b", torch::arange(5));
@@ -754,7 +754,7 @@ TEST_F(StateDictTest, PythonRoundTrip) {
                  << "); install python3-torch (scripts/setup.sh does) or set "
                     "MHA_PYTHON to run the round trip through Python";
   }
-  TempDir dir;
+  StateDictDir dir;
   Toy toy;
   mha::save_state_dict(*toy, dir.file("cpp.pt"));
   mha::save_state_dict(*toy, dir.file("cpp.safetensors"));

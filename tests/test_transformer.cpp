@@ -18,8 +18,6 @@
 
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 class TransformerEncoderLayerTest : public SeededTest {};
 class TransformerEncoderTest : public SeededTest {};
 

@@ -22,8 +22,6 @@ namespace {
 
 using torch::indexing::Slice;
 
-const double kInf = std::numeric_limits<double>::infinity();
-
 // ------------------------------------------------------------- fixtures ---
 
 /// The fixture directories: Python PyTorch 2.14's and 1.13's

@@ -29,6 +29,12 @@
 
 namespace mha::bench {
 
+void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) {
+    torch::cuda::synchronize();
+  }
+}
+
 namespace {
 
 struct Contenders {
@@ -37,12 +43,6 @@ struct Contenders {
   SdpaContender sdpa;  ///< projections + at::scaled_dot_product_attention
   Run projections;     ///< the projections alone (self-attention modes)
 };
-
-void synchronize(const torch::Device& device) {
-  if (device.is_cuda()) {
-    torch::cuda::synchronize();
-  }
-}
 
 /// Milliseconds of one run, its results released inside the timed region.
 double time_once(const Run& run, const torch::Device& device) {

@@ -185,6 +185,9 @@ RowResult run_row(const Shape& shape, Mode mode, const Settings& settings);
 int64_t child_peak_kib(const Shape& shape, Mode mode,
                        const std::string& contender, const Settings& settings);
 
+/// Waits for the device's queued work (CUDA); returns at once on the CPU.
+void synchronize(const torch::Device& device);
+
 /// torch::mm of two (n, n) matrices: median GFLOP/s (2n³ per product) over
 /// `reps` runs after one warm-up.
 struct Gemm {

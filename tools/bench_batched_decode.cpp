@@ -19,12 +19,6 @@ namespace mha::bench {
 
 namespace {
 
-void synchronize(const torch::Device& device) {
-  if (device.is_cuda()) {
-    torch::cuda::synchronize();
-  }
-}
-
 using Clock = std::chrono::steady_clock;
 
 double ms_since(Clock::time_point start, const torch::Device& device) {

@@ -10,13 +10,14 @@
 #include <map>
 #include <string>
 
+#include "case_tools.h"
 #include "mha/parity.h"
 #include "mha/weights.h"
 
 namespace mha::parity {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
+using detail::kInf;
 
 torch::Tensor param_or_undefined(
     const std::map<std::string, torch::Tensor>& params,
