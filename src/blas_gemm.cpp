@@ -96,30 +96,27 @@ Operand operand(int64_t rows, int64_t cols, int64_t row_stride,
   return o;
 }
 
-/// The direct calls; false (nothing written) where they do not apply.
+/// One product by one gemm call: see gemm_matrix. `work` is m·n·k.
 template <typename T>
-bool direct_gemm(const torch::Tensor& out, const torch::Tensor& a,
-                 const torch::Tensor& b, double alpha) {
+bool gemm_one(const StridedMatrix& a, const StridedMatrix& b, double alpha,
+              double beta, const StridedMatrix& c) {
   const auto gemm = gemm_for<T>();
-  const int64_t batch = out.size(0), m = out.size(1), n = out.size(2);
-  const int64_t k = a.size(2);
-  if (gemm == nullptr || m * n * k < kAtenBlasMinWork) {
-    return false;
+  const int64_t m = c.rows, n = c.cols, k = a.cols;
+  if (gemm == nullptr || m == 0 || n == 0 || k == 0) {
+    return false;  // ATen writes beta · c (or zeros) without BLAS
   }
-  // Column-major BLAS computes outᵀ (n x m) = bᵀ (n x k) · aᵀ (k x m) into
-  // out's row-major memory. ATen's addmm (which its bmm calls per matrix)
-  // makes this call only for a row-major out; it computes a column-major
-  // out (such as a contiguous (m, 1) one: strides (1, 1)) as out = a · b,
-  // and copies any other out, which can round differently (float64, n = 1,
-  // OpenBLAS 0.3.21): those go to at::bmm_out.
-  const int64_t out_rows = out.stride(1), out_cols = out.stride(2);
+  // Column-major BLAS computes cᵀ (n x m) = bᵀ (n x k) · aᵀ (k x m) into
+  // c's row-major memory. ATen's addmm makes this call only for a row-major
+  // c; it computes a column-major c (such as a contiguous (m, 1) one:
+  // strides (1, 1)) as c = a · b, and any other c through a copy, which can
+  // round differently (float64, n = 1, OpenBLAS 0.3.21).
   const bool aten_column_major =
-      out_rows == 1 && (n == 1 || out_cols >= std::max<int64_t>(1, m));
+      c.row_stride == 1 && (n == 1 || c.col_stride >= std::max<int64_t>(1, m));
   const bool aten_row_major =
-      out_cols == 1 && (m == 1 || out_rows >= std::max<int64_t>(1, n));
-  const Operand oa = operand(m, k, a.stride(1), a.stride(2));
-  const Operand ob = operand(k, n, b.stride(1), b.stride(2));
-  const Operand oc = operand(m, n, out_rows, out_cols);
+      c.col_stride == 1 && (m == 1 || c.row_stride >= std::max<int64_t>(1, n));
+  const Operand oa = operand(m, k, a.row_stride, a.col_stride);
+  const Operand ob = operand(k, n, b.row_stride, b.col_stride);
+  const Operand oc = operand(m, n, c.row_stride, c.col_stride);
   if (aten_column_major || !aten_row_major || !oa.ok || !ob.ok || !oc.ok ||
       oc.trans != 'N' ||
       !(fits_int(m) && fits_int(n) && fits_int(k) && fits_int(oa.ld) &&
@@ -129,19 +126,57 @@ bool direct_gemm(const torch::Tensor& out, const torch::Tensor& a,
   const int im = static_cast<int>(m), in = static_cast<int>(n),
             ik = static_cast<int>(k), lda = static_cast<int>(oa.ld),
             ldb = static_cast<int>(ob.ld), ldc = static_cast<int>(oc.ld);
-  const T t_alpha = static_cast<T>(alpha), t_beta = 0;
-  const T* pa = a.data_ptr<T>();
-  const T* pb = b.data_ptr<T>();
-  T* pc = out.data_ptr<T>();
-  for (int64_t i = 0; i < batch; ++i) {
-    gemm(&ob.trans, &oa.trans, &in, &im, &ik, &t_alpha, pb + i * b.stride(0),
-         &ldb, pa + i * a.stride(0), &lda, &t_beta, pc + i * out.stride(0),
-         &ldc);
+  const T t_alpha = static_cast<T>(alpha), t_beta = static_cast<T>(beta);
+  gemm(&ob.trans, &oa.trans, &in, &im, &ik, &t_alpha,
+       static_cast<const T*>(b.data), &ldb, static_cast<const T*>(a.data), &lda,
+       &t_beta, static_cast<T*>(c.data), &ldc);
+  return true;
+}
+
+/// Matrix i of a 3-D CPU tensor of T.
+template <typename T>
+StridedMatrix matrix(const torch::Tensor& t, int64_t i) {
+  return {t.data_ptr<T>() + i * t.stride(0), t.size(1), t.size(2), t.stride(1),
+          t.stride(2)};
+}
+
+/// The direct calls of batched_gemm_out; false (nothing written) where they
+/// do not apply.
+template <typename T>
+bool direct_gemm(const torch::Tensor& out, const torch::Tensor& a,
+                 const torch::Tensor& b, double alpha) {
+  const int64_t batch = out.size(0);
+  if (out.size(1) * out.size(2) * a.size(2) < kAtenBlasMinWork || batch == 0) {
+    return false;
+  }
+  // Every matrix of a batch has the same sizes and strides: the first
+  // decides for all.
+  if (!gemm_one<T>(matrix<T>(a, 0), matrix<T>(b, 0), alpha, 0.0,
+                   matrix<T>(out, 0))) {
+    return false;
+  }
+  for (int64_t i = 1; i < batch; ++i) {
+    gemm_one<T>(matrix<T>(a, i), matrix<T>(b, i), alpha, 0.0,
+                matrix<T>(out, i));
   }
   return true;
 }
 
 }  // namespace
+
+bool gemm_matrix(torch::ScalarType dtype, const StridedMatrix& a,
+                 const StridedMatrix& b, double alpha, double beta,
+                 const StridedMatrix& c) {
+  TORCH_INTERNAL_ASSERT(a.rows == c.rows && b.cols == c.cols &&
+                        a.cols == b.rows);
+  if (dtype == torch::kFloat32) {
+    return gemm_one<float>(a, b, alpha, beta, c);
+  }
+  if (dtype == torch::kFloat64) {
+    return gemm_one<double>(a, b, alpha, beta, c);
+  }
+  return false;
+}
 
 bool direct_gemm_available(torch::ScalarType dtype) {
   return (dtype == torch::kFloat32 && Gemms::instance().sgemm != nullptr) ||

@@ -1,5 +1,7 @@
-// Internal: batched matrix products for the blocked path's one-block form
-// (src/one_block_attention.cpp), calling BLAS's gemm directly. Not
+// Internal: the blocked path's matrix products, calling BLAS's gemm
+// directly: batched for its one-block form (src/one_block_attention.cpp),
+// one matrix at a time, from raw pointers, for its per-block form
+// (src/blocked_attention.cpp: no tensor view is made for an operand). Not
 // installed.
 //
 // Why: LibTorch 1.13's CPU bmm without MKL (Debian's build) runs each
@@ -17,6 +19,31 @@
 #include <torch/torch.h>
 
 namespace mha::detail {
+
+/// One matrix of float32 or float64 values in memory: element (i, j) at
+/// data[i · row_stride + j · col_stride] (in elements).
+struct StridedMatrix {
+  void* data = nullptr;
+  int64_t rows = 0, cols = 0, row_stride = 0, col_stride = 0;
+
+  /// The transpose, in the same memory.
+  StridedMatrix t() const { return {data, cols, rows, col_stride, row_stride}; }
+};
+
+/// c = alpha · a · b + beta · c (a: m x k, b: k x n, c: m x n; beta 0: c's
+/// contents, NaN included, never read) by one call of BLAS's gemm on the
+/// calling thread: the call ATen's CPU addmm (and so mm) makes for the same
+/// operands, so the results are its own bit for bit. Makes it, and returns
+/// true, where LibTorch is built without MKL, the dtype is float32 or
+/// float64 with BLAS's gemm found, m, n and k are nonzero, a and b have unit
+/// stride along one dim, c is row-major (unit column stride, not also
+/// readable as column-major: ATen computes those, such as a contiguous
+/// one-column c, another way) and sizes and leading dims fit an int;
+/// otherwise writes nothing and returns false (the caller then calls ATen).
+/// The pointers must be valid for those shapes and strides (internal).
+bool gemm_matrix(torch::ScalarType dtype, const StridedMatrix& a,
+                 const StridedMatrix& b, double alpha, double beta,
+                 const StridedMatrix& c);
 
 /// out[i] = alpha · a[i] · b[i] for every i < B, every element of out
 /// written (out's prior contents, NaN included, never read).

@@ -14,6 +14,7 @@
 #include <limits>
 #include <utility>
 
+#include "blas_gemm.h"
 #include "blas_threads.h"
 
 namespace mha::detail {
@@ -138,6 +139,21 @@ torch::Tensor mask_block(const torch::Tensor& m, int64_t row0, int64_t rows,
   return r.size(1) == 1 ? r : r.narrow(1, col0, cols);
 }
 
+/// Rows [row0, row0 + rows) of matrix (n, h) of a 4-D tensor (N, H, T, F),
+/// for gemm_matrix.
+StridedMatrix rows_of(const torch::Tensor& t, int64_t n, int64_t h,
+                      int64_t row0, int64_t rows) {
+  auto* first = static_cast<char*>(t.data_ptr()) +
+                (n * t.stride(0) + h * t.stride(1) + row0 * t.stride(2)) *
+                    static_cast<int64_t>(t.element_size());
+  return {first, rows, t.size(3), t.stride(2), t.stride(3)};
+}
+
+/// A 2-D tensor, for gemm_matrix.
+StridedMatrix matrix_of(const torch::Tensor& t) {
+  return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.stride(1)};
+}
+
 /// One block: query rows [row0, row0 + rows) and the key columns
 /// [col0, col0 + cols) any of them can see (cols may be 0).
 struct Block {
@@ -169,19 +185,24 @@ struct Block {
   }
 };
 
-/// Writes into `p` (rows, cols) the attention weights of one block of one
-/// head (bias_h: that head's relative_bias row, or undefined): scaled
-/// scores, mask, position bias and limits, softmax, all in place; the fully
-/// masked rows (flags `empty`, or null for none) become 0.
+/// Writes into `p` (rows, cols) the attention weights of one block of query
+/// head h (q[n][h]) over key head h_kv (k[n][h_kv]); bias_h: that head's
+/// relative_bias row, or undefined: scaled scores, mask, position bias and
+/// limits, softmax, all in place; the fully masked rows (flags `empty`, or
+/// null for none) become 0.
 void block_weights(torch::Tensor& p, const torch::Tensor& q,
-                   const torch::Tensor& k, const torch::Tensor& mask,
-                   const torch::Tensor& blocked, const torch::Tensor& bias_h,
-                   const BlockedSpec& spec, const Block& block,
-                   const bool* empty) {
+                   const torch::Tensor& k, int64_t n, int64_t h, int64_t h_kv,
+                   const torch::Tensor& mask, const torch::Tensor& blocked,
+                   const torch::Tensor& bias_h, const BlockedSpec& spec,
+                   const Block& block, const bool* empty) {
   // p = scale · q[rows] · k[cols]ᵀ (beta = 0: p's old contents are ignored)
-  at::addmm_out(p, p, q.narrow(0, block.row0, block.rows),
-                k.narrow(0, block.col0, block.cols).t(),
-                /*beta=*/0, /*alpha=*/spec.scale);
+  if (!gemm_matrix(p.scalar_type(), rows_of(q, n, h, block.row0, block.rows),
+                   rows_of(k, n, h_kv, block.col0, block.cols).t(), spec.scale,
+                   /*beta=*/0, matrix_of(p))) {
+    at::addmm_out(p, p, q[n][h].narrow(0, block.row0, block.rows),
+                  k[n][h_kv].narrow(0, block.col0, block.cols).t(),
+                  /*beta=*/0, /*alpha=*/spec.scale);
+  }
   if (mask.defined()) {
     p.add_(mask_block(mask, block.row0, block.rows, block.col0, block.cols));
     p.masked_fill_(
@@ -230,6 +251,7 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
   const bool seq_first = N > 1 && L > 1 && q.stride(0) < q.stride(2);
   auto out = seq_first ? at::empty({L, N, H, Dv}, q.options()).transpose(0, 1)
                        : at::empty({N, L, H, Dv}, q.options());
+  const auto out_nh = out.permute({0, 2, 1, 3});  // (N, H, L, Dv)
   torch::Tensor weights;
   if (spec.weights == WeightsMode::kPerHead) {
     weights = at::zeros({N, H, L, S}, q.options());
@@ -255,25 +277,33 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
         auto p = scratch.narrow(0, 0, rows * cols).view({rows, cols});
         for (auto h = h_begin; h < h_end; ++h) {
           // (rows, Dv), strided rows of the (N, L, H, Dv) buffer
-          auto out_rows = out.select(0, n).select(1, h).narrow(0, row0, rows);
+          auto out_rows = [&] {
+            return out_nh.select(0, n).select(0, h).narrow(0, row0, rows);
+          };
           const bool* empty = empty_flags(spec, n, h, row0);
           if (cols == 0) {  // no row of the block sees any key
-            out_rows.zero_();
+            out_rows().zero_();
             continue;
           }
-          // (T, D); key/value head h / group
-          const auto q_nh = q[n][h], k_nh = k[n][h / group],
-                     v_nh = v[n][h / group];
+          const auto h_kv = h / group;  // key/value head
           const auto mask = spec.mask.defined() ? select_nh(spec.mask, n, h)
                                                 : torch::Tensor();
           const auto blocked = spec.mask.defined()
                                    ? select_nh(spec.blocked, n, h)
                                    : torch::Tensor();
-          block_weights(p, q_nh, k_nh, mask, blocked,
+          block_weights(p, q, k, n, h, h_kv, mask, blocked,
                         bias_row(relative_bias, h), spec, block, empty);
-          at::mm_out(out_rows, p, v_nh.narrow(0, col0, cols));
-          // 0 · (a non-finite value) would be NaN: a fully masked row is 0.
-          zero_rows(out_rows, empty);
+          if (!gemm_matrix(p.scalar_type(), matrix_of(p),
+                           rows_of(v, n, h_kv, col0, cols), 1, /*beta=*/0,
+                           rows_of(out_nh, n, h, row0, rows))) {
+            auto o = out_rows();
+            at::mm_out(o, p, v[n][h_kv].narrow(0, col0, cols));
+          }
+          if (empty != nullptr) {
+            // 0 · (a non-finite value) would be NaN: a fully masked row is 0.
+            auto o = out_rows();
+            zero_rows(o, empty);
+          }
           if (spec.keep_weights) {
             kept[n][h].narrow(0, row0, rows).narrow(1, col0, cols).copy_(p);
           }
@@ -287,7 +317,7 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
           }
         }
       });
-  return {out.permute({0, 2, 1, 3}), weights, kept};
+  return {out_nh, weights, kept};
 }
 
 /// Backward of blocked_forward: gradients of q, k, v (and relative_bias when
@@ -321,25 +351,29 @@ BlockedGradients blocked_backward(
       N * Hkv, 3 * B * S, q.options(),
       [&](int64_t item, torch::Tensor& scratch) {
         const auto n = item / Hkv, h_kv = item % Hkv;
-        const auto k_nh = k[n][h_kv], v_nh = v[n][h_kv];
-        auto dk_nh = dk[n][h_kv], dv_nh = dv[n][h_kv];
+        const auto dtype = q.scalar_type();
         for (auto h = h_kv * group; h < (h_kv + 1) * group; ++h) {
-          const auto q_nh = q[n][h];
           const auto mask = spec.mask.defined() ? select_nh(spec.mask, n, h)
                                                 : torch::Tensor();
           const auto blocked = spec.mask.defined()
                                    ? select_nh(spec.blocked, n, h)
                                    : torch::Tensor();
           const auto bias_h = bias_row(relative_bias, h);
-          const auto go_nh = grad_out[n][h];  // (L, Dv)
-          auto dq_nh = dq[n][h];
           for (int64_t row0 = 0; row0 < L; row0 += B) {
             const Block block(spec.positions, row0, std::min(B, L - row0), L,
                               S);
             const auto rows = block.rows, col0 = block.col0, cols = block.cols;
-            auto dq_rows = dq_nh.narrow(0, row0, rows);
+            // Rows and columns of the (n, h) or (n, h_kv) matrices, as
+            // tensors for ATen where the direct calls do not apply.
+            auto q_rows = [&] { return q[n][h].narrow(0, row0, rows); };
+            auto dq_rows = [&] { return dq[n][h].narrow(0, row0, rows); };
+            auto go_rows = [&] { return grad_out[n][h].narrow(0, row0, rows); };
+            auto k_cols = [&] { return k[n][h_kv].narrow(0, col0, cols); };
+            auto v_cols = [&] { return v[n][h_kv].narrow(0, col0, cols); };
+            auto dk_cols = [&] { return dk[n][h_kv].narrow(0, col0, cols); };
+            auto dv_cols = [&] { return dv[n][h_kv].narrow(0, col0, cols); };
             if (cols == 0) {  // the rows see no key
-              dq_rows.zero_();
+              dq_rows().zero_();
               continue;
             }
             auto buffer = [&](int64_t i) {
@@ -360,13 +394,20 @@ BlockedGradients blocked_backward(
                 p.copy_(kept_block);
               }
             } else {
-              block_weights(p, q_nh, k_nh, mask, blocked, bias_h, spec, block,
-                            empty);
+              block_weights(p, q, k, n, h, h_kv, mask, blocked, bias_h, spec,
+                            block, empty);
             }
-            const auto go = go_nh.narrow(0, row0, rows);  // (rows, Dv)
-            auto dv_cols = dv_nh.narrow(0, col0, cols);
-            dv_cols.addmm_(p.t(), go);
-            at::mm_out(dp, go, v_nh.narrow(0, col0, cols).t());
+            const auto go = rows_of(grad_out, n, h, row0, rows);  // (rows, Dv)
+            // dv[cols] += pᵀ · go
+            if (!gemm_matrix(dtype, matrix_of(p).t(), go, 1, /*beta=*/1,
+                             rows_of(dv, n, h_kv, col0, cols))) {
+              dv_cols().addmm_(p.t(), go_rows());
+            }
+            // dp = go · v[cols]ᵀ
+            if (!gemm_matrix(dtype, go, rows_of(v, n, h_kv, col0, cols).t(), 1,
+                             /*beta=*/0, matrix_of(dp))) {
+              at::mm_out(dp, go_rows(), v_cols().t());
+            }
             if (grad_weights.defined()) {
               if (spec.weights == WeightsMode::kPerHead) {
                 dp.add_(grad_weights[n][h]
@@ -387,11 +428,21 @@ BlockedGradients blocked_backward(
               d_bias[n][h].index_add_(0, block.bias_index().view(-1),
                                       ds.view(-1));
             }
-            at::addmm_out(dq_rows, dq_rows, ds, k_nh.narrow(0, col0, cols),
-                          /*beta=*/0, /*alpha=*/spec.scale);
-            auto dk_cols = dk_nh.narrow(0, col0, cols);
-            dk_cols.addmm_(ds.t(), q_nh.narrow(0, row0, rows), /*beta=*/1,
-                           /*alpha=*/spec.scale);
+            // dq[rows] = scale · ds · k[cols]
+            if (!gemm_matrix(dtype, matrix_of(ds),
+                             rows_of(k, n, h_kv, col0, cols), spec.scale,
+                             /*beta=*/0, rows_of(dq, n, h, row0, rows))) {
+              auto d = dq_rows();
+              at::addmm_out(d, d, ds, k_cols(), /*beta=*/0,
+                            /*alpha=*/spec.scale);
+            }
+            // dk[cols] += scale · dsᵀ · q[rows]
+            if (!gemm_matrix(dtype, matrix_of(ds).t(),
+                             rows_of(q, n, h, row0, rows), spec.scale,
+                             /*beta=*/1, rows_of(dk, n, h_kv, col0, cols))) {
+              dk_cols().addmm_(ds.t(), q_rows(), /*beta=*/1,
+                               /*alpha=*/spec.scale);
+            }
           }
         }
       });
