@@ -96,7 +96,7 @@ Operand operand(int64_t rows, int64_t cols, int64_t row_stride,
   return o;
 }
 
-/// One product by one gemm call: see gemm_matrix. `work` is m·n·k.
+/// One product by one gemm call: see gemm_matrix.
 template <typename T>
 bool gemm_one(const StridedMatrix& a, const StridedMatrix& b, double alpha,
               double beta, const StridedMatrix& c) {

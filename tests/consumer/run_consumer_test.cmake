@@ -6,8 +6,8 @@
 # consumer's own CTest tests are run instead of its programs (examples/).
 # Variables: MHA_BINARY_DIR or MHA_SOURCE_DIR, CONSUMER_SOURCE_DIR, WORK_DIR,
 # GENERATOR, TORCH_DIR (LibTorch's CMake folder), CXX (the compiler);
-# optional CTEST, and CONSUMER_OPTIONS: more -D options for the consumer's
-# configure, separated by '|'.
+# optional CTEST, CONSUMER_OPTIONS: more -D options for the consumer's
+# configure, separated by '|', and BUILD_TYPE (default Release).
 file(REMOVE_RECURSE ${WORK_DIR})
 function(run)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
@@ -26,8 +26,11 @@ if(MHA_BINARY_DIR)
 else()
   list(APPEND extra -DMHA_SOURCE_DIR=${MHA_SOURCE_DIR})
 endif()
+if(NOT DEFINED BUILD_TYPE)
+  set(BUILD_TYPE Release)
+endif()
 run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build
-    -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release ${extra})
+    -G ${GENERATOR} -DCMAKE_BUILD_TYPE=${BUILD_TYPE} ${extra})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 if(CTEST)
   execute_process(COMMAND ${CTEST} --output-on-failure --no-tests=error
