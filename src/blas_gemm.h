@@ -58,17 +58,16 @@ bool gemm_matrix(torch::ScalarType dtype, const StridedMatrix& a,
 /// column stride, not also readable as column-major: ATen computes those,
 /// such as a contiguous one-column out, another way), and sizes and leading
 /// dims fit an int, the products are one gemm call per matrix on the calling
-/// thread,
-/// the call ATen's bmm makes for each matrix (same results); otherwise
-/// at::bmm_out, then a multiply by alpha unless it is 1. BLAS's
-/// own threads are used as set (mha's loops set one per call:
-/// blas_threads.h). Shapes and dtypes are the caller's contract (internal;
-/// checked with TORCH_INTERNAL_ASSERT).
+/// thread, the call ATen's bmm makes for each matrix (same results);
+/// otherwise at::bmm_out, then a multiply by alpha unless it is 1. BLAS's own
+/// threads are used as set (mha's loops set one per call: blas_threads.h).
+/// Shapes and dtypes are the caller's contract (internal; checked with
+/// TORCH_INTERNAL_ASSERT).
 void batched_gemm_out(const torch::Tensor& out, const torch::Tensor& a,
                       const torch::Tensor& b, double alpha);
 
-/// True when batched_gemm_out calls BLAS's gemm itself for this dtype
-/// (no MKL in LibTorch, the gemm symbol found).
+/// True when batched_gemm_out and gemm_matrix can call BLAS's gemm
+/// themselves for this dtype (no MKL in LibTorch, the gemm symbol found).
 bool direct_gemm_available(torch::ScalarType dtype);
 
 }  // namespace mha::detail

@@ -1632,53 +1632,55 @@ TEST(GemmMatrix, MatchesAtenAddmmBitForBit) {
         for (const bool b_transposed : {false, true}) {
           for (const bool strided_c : {false, true}) {
             for (const double beta : {0.0, 1.0}) {
-              const double alpha = beta == 0.0 ? 0.125 : 1.0;
-              auto a = a_transposed ? torch::randn({c.k, c.m}, opts).t()
-                                    : torch::randn({c.m, c.k}, opts);
-              auto b = b_transposed ? torch::randn({c.n, c.k}, opts).t()
-                                    : torch::randn({c.k, c.n}, opts);
-              // c: contiguous, or columns [2, 2 + n) of wider rows; NaN
-              // where beta is 0 (never read), values to add to where 1.
-              auto buffer =
-                  beta == 0.0
-                      ? torch::full({c.m, c.n + 5},
-                                    std::numeric_limits<double>::quiet_NaN(),
-                                    opts)
-                      : torch::randn({c.m, c.n + 5}, opts);
-              auto expected_buffer = buffer.clone();
-              auto pick = [&](const torch::Tensor& t) {
-                return strided_c ? t.narrow(1, 2, c.n)
-                                 : t.narrow(1, 0, c.n).contiguous();
-              };
-              auto out = pick(buffer), expected = pick(expected_buffer);
-              const mha::detail::StridedMatrix ma{a.data_ptr(), c.m, c.k,
-                                                  a.stride(0), a.stride(1)};
-              const mha::detail::StridedMatrix mb{b.data_ptr(), c.k, c.n,
-                                                  b.stride(0), b.stride(1)};
-              const mha::detail::StridedMatrix mc{out.data_ptr(), c.m, c.n,
-                                                  out.stride(0), out.stride(1)};
-              const bool direct =
-                  mha::detail::gemm_matrix(dtype, ma, mb, alpha, beta, mc);
-              at::addmm_out(expected, expected, a, b, beta, alpha);
-              SCOPED_TRACE(::testing::Message()
-                           << c10::toString(dtype) << " (" << c.m << ", " << c.k
-                           << ", " << c.n << ") a_transposed " << a_transposed
-                           << " b_transposed " << b_transposed << " strided_c "
-                           << strided_c << " beta " << beta);
-              // Where LibTorch calls the system BLAS, every layout here but
-              // a contiguous one-column c (column-major to ATen) is direct.
-              const bool column_major_c = !strided_c && c.n == 1;
-              if (mha::detail::direct_gemm_available(dtype) &&
-                  !column_major_c) {
-                EXPECT_TRUE(direct);
-              }
-              if (column_major_c) {
-                EXPECT_FALSE(direct);
-              }
-              if (direct) {
-                EXPECT_TRUE(torch::equal(out, expected))
-                    << "max abs difference from ATen's addmm "
-                    << (out - expected).abs().max().item<double>();
+              for (const double alpha : {1.0, 0.125}) {
+                auto a = a_transposed ? torch::randn({c.k, c.m}, opts).t()
+                                      : torch::randn({c.m, c.k}, opts);
+                auto b = b_transposed ? torch::randn({c.n, c.k}, opts).t()
+                                      : torch::randn({c.k, c.n}, opts);
+                // c: contiguous, or columns [2, 2 + n) of wider rows; NaN
+                // where beta is 0 (never read), values to add to where 1.
+                auto buffer =
+                    beta == 0.0
+                        ? torch::full({c.m, c.n + 5},
+                                      std::numeric_limits<double>::quiet_NaN(),
+                                      opts)
+                        : torch::randn({c.m, c.n + 5}, opts);
+                auto expected_buffer = buffer.clone();
+                auto pick = [&](const torch::Tensor& t) {
+                  return strided_c ? t.narrow(1, 2, c.n)
+                                   : t.narrow(1, 0, c.n).contiguous();
+                };
+                auto out = pick(buffer), expected = pick(expected_buffer);
+                const mha::detail::StridedMatrix ma{a.data_ptr(), c.m, c.k,
+                                                    a.stride(0), a.stride(1)};
+                const mha::detail::StridedMatrix mb{b.data_ptr(), c.k, c.n,
+                                                    b.stride(0), b.stride(1)};
+                const mha::detail::StridedMatrix mc{
+                    out.data_ptr(), c.m, c.n, out.stride(0), out.stride(1)};
+                const bool direct =
+                    mha::detail::gemm_matrix(dtype, ma, mb, alpha, beta, mc);
+                at::addmm_out(expected, expected, a, b, beta, alpha);
+                SCOPED_TRACE(::testing::Message()
+                             << c10::toString(dtype) << " (" << c.m << ", "
+                             << c.k << ", " << c.n << ") a_transposed "
+                             << a_transposed << " b_transposed " << b_transposed
+                             << " strided_c " << strided_c << " beta " << beta
+                             << " alpha " << alpha);
+                // Where LibTorch calls the system BLAS, every layout here but
+                // a contiguous one-column c (column-major to ATen) is direct.
+                const bool column_major_c = !strided_c && c.n == 1;
+                if (mha::detail::direct_gemm_available(dtype) &&
+                    !column_major_c) {
+                  EXPECT_TRUE(direct);
+                }
+                if (column_major_c) {
+                  EXPECT_FALSE(direct);
+                }
+                if (direct) {
+                  EXPECT_TRUE(torch::equal(out, expected))
+                      << "max abs difference from ATen's addmm "
+                      << (out - expected).abs().max().item<double>();
+                }
               }
             }
           }
