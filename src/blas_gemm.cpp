@@ -169,12 +169,17 @@ bool gemm_matrix(torch::ScalarType dtype, const StridedMatrix& a,
                  const StridedMatrix& c) {
   TORCH_INTERNAL_ASSERT(a.rows == c.rows && b.cols == c.cols &&
                         a.cols == b.rows);
-  if (dtype == torch::kFloat32) {
-    return gemm_one<float>(a, b, alpha, beta, c);
+  if ((dtype == torch::kFloat32 && gemm_one<float>(a, b, alpha, beta, c)) ||
+      (dtype == torch::kFloat64 && gemm_one<double>(a, b, alpha, beta, c))) {
+    return true;
   }
-  if (dtype == torch::kFloat64) {
-    return gemm_one<double>(a, b, alpha, beta, c);
-  }
+  // ATen's addmm on tensors over the same memory (mm is addmm with beta 0).
+  auto tensor = [dtype](const StridedMatrix& m) {
+    return at::from_blob(m.data, {m.rows, m.cols}, {m.row_stride, m.col_stride},
+                         at::TensorOptions().dtype(dtype));
+  };
+  auto out = tensor(c);
+  at::addmm_out(out, out, tensor(a), tensor(b), beta, alpha);
   return false;
 }
 

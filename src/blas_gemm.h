@@ -30,17 +30,17 @@ struct StridedMatrix {
   StridedMatrix t() const { return {data, cols, rows, col_stride, row_stride}; }
 };
 
-/// c = alpha · a · b + beta · c (a: m x k, b: k x n, c: m x n; beta 0: c's
-/// contents, NaN included, never read) by one call of BLAS's gemm on the
-/// calling thread: the call ATen's CPU addmm (and so mm) makes for the same
-/// operands, so the results are its own bit for bit. Makes it, and returns
-/// true, where LibTorch is built without MKL, the dtype is float32 or
-/// float64 with BLAS's gemm found, m, n and k are nonzero, a and b have unit
-/// stride along one dim, c is row-major (unit column stride, not also
-/// readable as column-major: ATen computes those, such as a contiguous
-/// one-column c, another way) and sizes and leading dims fit an int;
-/// otherwise writes nothing and returns false (the caller then calls ATen).
-/// The pointers must be valid for those shapes and strides (internal).
+/// c = alpha · a · b + beta · c (a: m x k, b: k x n, c: m x n, CPU memory
+/// of `dtype`; beta 0: c's contents, NaN included, never read), with ATen's
+/// CPU addmm's results bit for bit. Where LibTorch is built without MKL,
+/// the dtype is float32 or float64 with BLAS's gemm found, m, n and k are
+/// nonzero, a and b have unit stride along one dim, c is row-major (unit
+/// column stride, not also readable as column-major: ATen computes those,
+/// such as a contiguous one-column c, another way) and sizes and leading
+/// dims fit an int, makes the one call of BLAS's gemm that addmm would
+/// make, on the calling thread, and returns true; otherwise calls
+/// at::addmm_out on tensors over the same memory and returns false. The
+/// pointers must be valid for those shapes and strides (internal).
 bool gemm_matrix(torch::ScalarType dtype, const StridedMatrix& a,
                  const StridedMatrix& b, double alpha, double beta,
                  const StridedMatrix& c);

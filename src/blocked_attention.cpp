@@ -196,13 +196,9 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
                    const torch::Tensor& bias_h, const BlockedSpec& spec,
                    const Block& block, const bool* empty) {
   // p = scale · q[rows] · k[cols]ᵀ (beta = 0: p's old contents are ignored)
-  if (!gemm_matrix(p.scalar_type(), rows_of(q, n, h, block.row0, block.rows),
-                   rows_of(k, n, h_kv, block.col0, block.cols).t(), spec.scale,
-                   /*beta=*/0, matrix_of(p))) {
-    at::addmm_out(p, p, q[n][h].narrow(0, block.row0, block.rows),
-                  k[n][h_kv].narrow(0, block.col0, block.cols).t(),
-                  /*beta=*/0, /*alpha=*/spec.scale);
-  }
+  gemm_matrix(p.scalar_type(), rows_of(q, n, h, block.row0, block.rows),
+              rows_of(k, n, h_kv, block.col0, block.cols).t(), spec.scale,
+              /*beta=*/0, matrix_of(p));
   if (mask.defined()) {
     p.add_(mask_block(mask, block.row0, block.rows, block.col0, block.cols));
     p.masked_fill_(
@@ -293,12 +289,9 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                                    : torch::Tensor();
           block_weights(p, q, k, n, h, h_kv, mask, blocked,
                         bias_row(relative_bias, h), spec, block, empty);
-          if (!gemm_matrix(p.scalar_type(), matrix_of(p),
-                           rows_of(v, n, h_kv, col0, cols), 1, /*beta=*/0,
-                           rows_of(out_nh, n, h, row0, rows))) {
-            auto o = out_rows();
-            at::mm_out(o, p, v[n][h_kv].narrow(0, col0, cols));
-          }
+          gemm_matrix(p.scalar_type(), matrix_of(p),
+                      rows_of(v, n, h_kv, col0, cols), 1, /*beta=*/0,
+                      rows_of(out_nh, n, h, row0, rows));
           if (empty != nullptr) {
             // 0 · (a non-finite value) would be NaN: a fully masked row is 0.
             auto o = out_rows();
@@ -363,17 +356,8 @@ BlockedGradients blocked_backward(
             const Block block(spec.positions, row0, std::min(B, L - row0), L,
                               S);
             const auto rows = block.rows, col0 = block.col0, cols = block.cols;
-            // Rows and columns of the (n, h) or (n, h_kv) matrices, as
-            // tensors for ATen where the direct calls do not apply.
-            auto q_rows = [&] { return q[n][h].narrow(0, row0, rows); };
-            auto dq_rows = [&] { return dq[n][h].narrow(0, row0, rows); };
-            auto go_rows = [&] { return grad_out[n][h].narrow(0, row0, rows); };
-            auto k_cols = [&] { return k[n][h_kv].narrow(0, col0, cols); };
-            auto v_cols = [&] { return v[n][h_kv].narrow(0, col0, cols); };
-            auto dk_cols = [&] { return dk[n][h_kv].narrow(0, col0, cols); };
-            auto dv_cols = [&] { return dv[n][h_kv].narrow(0, col0, cols); };
             if (cols == 0) {  // the rows see no key
-              dq_rows().zero_();
+              dq[n][h].narrow(0, row0, rows).zero_();
               continue;
             }
             auto buffer = [&](int64_t i) {
@@ -399,15 +383,11 @@ BlockedGradients blocked_backward(
             }
             const auto go = rows_of(grad_out, n, h, row0, rows);  // (rows, Dv)
             // dv[cols] += pᵀ · go
-            if (!gemm_matrix(dtype, matrix_of(p).t(), go, 1, /*beta=*/1,
-                             rows_of(dv, n, h_kv, col0, cols))) {
-              dv_cols().addmm_(p.t(), go_rows());
-            }
+            gemm_matrix(dtype, matrix_of(p).t(), go, 1, /*beta=*/1,
+                        rows_of(dv, n, h_kv, col0, cols));
             // dp = go · v[cols]ᵀ
-            if (!gemm_matrix(dtype, go, rows_of(v, n, h_kv, col0, cols).t(), 1,
-                             /*beta=*/0, matrix_of(dp))) {
-              at::mm_out(dp, go_rows(), v_cols().t());
-            }
+            gemm_matrix(dtype, go, rows_of(v, n, h_kv, col0, cols).t(), 1,
+                        /*beta=*/0, matrix_of(dp));
             if (grad_weights.defined()) {
               if (spec.weights == WeightsMode::kPerHead) {
                 dp.add_(grad_weights[n][h]
@@ -429,20 +409,12 @@ BlockedGradients blocked_backward(
                                       ds.view(-1));
             }
             // dq[rows] = scale · ds · k[cols]
-            if (!gemm_matrix(dtype, matrix_of(ds),
-                             rows_of(k, n, h_kv, col0, cols), spec.scale,
-                             /*beta=*/0, rows_of(dq, n, h, row0, rows))) {
-              auto d = dq_rows();
-              at::addmm_out(d, d, ds, k_cols(), /*beta=*/0,
-                            /*alpha=*/spec.scale);
-            }
+            gemm_matrix(dtype, matrix_of(ds), rows_of(k, n, h_kv, col0, cols),
+                        spec.scale, /*beta=*/0, rows_of(dq, n, h, row0, rows));
             // dk[cols] += scale · dsᵀ · q[rows]
-            if (!gemm_matrix(dtype, matrix_of(ds).t(),
-                             rows_of(q, n, h, row0, rows), spec.scale,
-                             /*beta=*/1, rows_of(dk, n, h_kv, col0, cols))) {
-              dk_cols().addmm_(ds.t(), q_rows(), /*beta=*/1,
-                               /*alpha=*/spec.scale);
-            }
+            gemm_matrix(dtype, matrix_of(ds).t(), rows_of(q, n, h, row0, rows),
+                        spec.scale, /*beta=*/1,
+                        rows_of(dk, n, h_kv, col0, cols));
           }
         }
       });
