@@ -207,18 +207,35 @@ AttentionResult blocked_attention(const torch::Tensor& query,
 
 /// Calls body(item, scratch) for every item in [0, items), where scratch is
 /// a tensor of `scratch_elements` with `options` for the calling thread's
-/// use. On ATen's intra-op threads (at::get_num_threads()) when there are
-/// several, items >= threads, this is not already a parallel region, and
-/// the BLAS can run single threaded on each (blas_threads.h): thread t of T
-/// takes items t, t + T, ..., so neighbouring items (causal blocks of
-/// growing width) are spread over the threads. Otherwise in order on this
-/// thread, with BLAS's own threads. Items must write disjoint outputs. The
-/// caller's thread-local state (grad mode, inference mode) holds on every
+/// use. On ATen's intra-op threads (at::get_num_threads()) when `spread`,
+/// there are several, items >= threads, this is not already a parallel
+/// region, and the BLAS can run single threaded on each (blas_threads.h):
+/// thread t of T takes items t, t + T, ..., so neighbouring items (causal
+/// blocks of growing width) are spread over the threads. Otherwise in order
+/// on this thread, with BLAS's own threads. Items must write disjoint outputs.
+/// The caller's thread-local state (grad mode, inference mode) holds on every
 /// thread; an exception in body is rethrown here. Returns the number of
 /// threads used (1: in order on this thread).
 int64_t for_each_item(int64_t items, int64_t scratch_elements,
                       const torch::TensorOptions& options,
-                      const std::function<void(int64_t, torch::Tensor&)>& body);
+                      const std::function<void(int64_t, torch::Tensor&)>& body,
+                      bool spread = true);
+
+/// Whether blocked_attention spreads the work items of a call of `scores`
+/// scores (N·H·L·S) over ATen's threads: above kSpreadScores
+/// (blocked_attention.h), or always while a SpreadEveryCall lives.
+bool spread_items(int64_t scores);
+
+/// For tests: while an instance lives (on any thread), blocked_attention
+/// spreads the work items of calls of every size, so that small inputs cover
+/// the parallel loop. Instances may overlap.
+class SpreadEveryCall {
+ public:
+  SpreadEveryCall();
+  ~SpreadEveryCall();
+  SpreadEveryCall(const SpreadEveryCall&) = delete;
+  SpreadEveryCall& operator=(const SpreadEveryCall&) = delete;
+};
 
 /// Checks that `mask` (already dtype/device checked) broadcasts to `target`
 /// without growing: at most as many dims, each size equal or 1.

@@ -10,6 +10,7 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -309,7 +310,8 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                 .add_(p, 1.0 / static_cast<double>(H));
           }
         }
-      });
+      },
+      spec.spread);
   return {out_nh, weights, kept};
 }
 
@@ -417,7 +419,8 @@ BlockedGradients blocked_backward(
                         rows_of(dk, n, h_kv, col0, cols));
           }
         }
-      });
+      },
+      spec.spread);
   if (d_bias.defined()) {
     d_bias = d_bias.sum(0);  // (H, L + S - 1)
     if (relative_bias.size(0) == 1) {
@@ -466,13 +469,24 @@ constexpr bool kParallelFor = false;
 constexpr bool kParallelFor = true;
 #endif
 
-int64_t for_each_item(
-    int64_t items, int64_t scratch_elements,
-    const torch::TensorOptions& options,
-    const std::function<void(int64_t, torch::Tensor&)>& body) {
+namespace {
+std::atomic<int> spread_every_call{0};  // live SpreadEveryCall instances
+}  // namespace
+
+SpreadEveryCall::SpreadEveryCall() { ++spread_every_call; }
+SpreadEveryCall::~SpreadEveryCall() { --spread_every_call; }
+
+bool spread_items(int64_t scores) {
+  return scores > kSpreadScores || spread_every_call.load() > 0;
+}
+
+int64_t for_each_item(int64_t items, int64_t scratch_elements,
+                      const torch::TensorOptions& options,
+                      const std::function<void(int64_t, torch::Tensor&)>& body,
+                      bool spread) {
   const int64_t threads = at::get_num_threads();
-  const bool parallel = kParallelFor && threads > 1 && items >= threads &&
-                        !at::in_parallel_region() &&
+  const bool parallel = spread && kParallelFor && threads > 1 &&
+                        items >= threads && !at::in_parallel_region() &&
                         SingleThreadedBlas::available();
   if (!parallel) {
     auto scratch = at::empty({scratch_elements}, options);
@@ -534,6 +548,7 @@ AttentionResult blocked_attention(
       query.numel() / std::max<int64_t>(1, query.size(-1)) * S;
   spec.one_block =
       block_rows <= 0 && scores <= kOneBlockScores && L <= kOneBlockRows;
+  spec.spread = spread_items(scores);
   if (kept == KeptWeights::kAuto) {
     // Keeping the weights saves backward a third of its work (the scores'
     // GEMM and softmax again); worth its memory while that is small. Without

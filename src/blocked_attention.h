@@ -32,6 +32,10 @@ struct BlockedSpec {
   // The whole call is one block of every (n, h): batched ATen calls over
   // all heads instead of one work item per head (batched_forward).
   bool one_block = false;
+  // Spread the work items over ATen's threads (for_each_item); false for
+  // calls of at most kSpreadScores scores, which run in order on the
+  // calling thread with BLAS's own threads.
+  bool spread = true;
 };
 
 /// What blocked_forward and batched_forward return.
@@ -88,6 +92,19 @@ torch::autograd::variable_list apply_blocked(const torch::Tensor& q,
 /// is a fresh allocation whose pages fault in on every call.
 constexpr int64_t kOneBlockRows = 32;
 constexpr int64_t kOneBlockScores = int64_t{1} << 20;
+
+/// The per-block path spreads its work items over ATen's threads only for
+/// calls of more than kSpreadScores scores (N·H·L·S); smaller calls run
+/// their items in order on the calling thread, each GEMM on BLAS's own
+/// threads. Why: BLAS's threads, woken by the in-projection just before,
+/// stay busy waiting for their next call (OpenBLAS spins for
+/// OPENBLAS_THREAD_TIMEOUT) on the cores the parallel loop then wants, and
+/// on a small call the loop's gain is less than what that costs.
+/// Measured (mha-bench, LibTorch 1.13.1, OpenBLAS 0.3.21, 2 threads;
+/// docs/speed.md): up to (1, 512, 256, 4) the items in order were as fast
+/// or faster in every mode; at (1, 1024, 256, 4) causal 0.58 of torch::nn's
+/// time in order against 0.37 spread.
+constexpr int64_t kSpreadScores = int64_t{1} << 20;
 
 /// In place on p (..., rows, cols): the columns outside each row's `limits`
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes

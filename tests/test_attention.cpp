@@ -23,6 +23,7 @@
 #include "attention_core.h"
 #include "blas_gemm.h"
 #include "blas_threads.h"
+#include "blocked_attention.h"  // kSpreadScores
 #include "fused_softmax.h"
 #include "mha/attention.h"
 #include "mha/masks.h"
@@ -1287,6 +1288,48 @@ TEST(ForEachItem, VisitsEveryItemOnceOnTheIntraOpThreads) {
       std::runtime_error);
   EXPECT_EQ(mha::detail::openblas_threads(), blas_before)
       << "not restored after an exception";
+}
+
+// Small calls (at most kSpreadScores scores) are not spread: their items run
+// in order on the calling thread, BLAS at its own thread count, even with
+// several intra-op threads; SpreadEveryCall (tests) spreads every call.
+TEST(ForEachItem, SmallCallsRunInOrderOnTheCallingThread) {
+  using mha::detail::kSpreadScores;
+  using mha::detail::spread_items;
+  EXPECT_FALSE(spread_items(1));
+  EXPECT_FALSE(spread_items(kSpreadScores));
+  EXPECT_TRUE(spread_items(kSpreadScores + 1));
+  {
+    const mha::detail::SpreadEveryCall spread;
+    EXPECT_TRUE(spread_items(1));
+    {
+      const mha::detail::SpreadEveryCall overlapping;
+      EXPECT_TRUE(spread_items(kSpreadScores));
+    }
+    EXPECT_TRUE(spread_items(1));
+  }
+  EXPECT_FALSE(spread_items(kSpreadScores));
+
+  const int saved = at::get_num_threads();
+  at::set_num_threads(2);
+  const int blas_before = mha::detail::openblas_threads();
+  std::vector<int64_t> order;
+  std::set<std::thread::id> thread_ids;
+  std::set<int> blas_inside;
+  const auto used = mha::detail::for_each_item(
+      7, 3, torch::TensorOptions(),
+      [&](int64_t item, torch::Tensor& scratch) {
+        EXPECT_EQ(scratch.numel(), 3);
+        order.push_back(item);
+        thread_ids.insert(std::this_thread::get_id());
+        blas_inside.insert(mha::detail::openblas_threads());
+      },
+      /*spread=*/false);
+  at::set_num_threads(saved);
+  EXPECT_EQ(used, 1);
+  EXPECT_EQ(order, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(thread_ids, std::set<std::thread::id>{std::this_thread::get_id()});
+  EXPECT_EQ(blas_inside, std::set<int>{blas_before});
 }
 
 // Overlapping SingleThreadedBlas scopes: the last one restores the count

@@ -5,7 +5,10 @@
 #include <torch/torch.h>
 
 #include <limits>
+#include <optional>
 #include <string>
+
+#include "attention_core.h"  // SpreadEveryCall
 
 /// +inf, as float64 (masks, expected errors).
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -45,11 +48,17 @@ inline void expect_close(const torch::Tensor& actual,
       << what << ": max abs diff " << (a - e).abs().max().item<double>();
 }
 
-/// Sets ATen's intra-op thread count (at::set_num_threads) for a scope.
+/// Sets ATen's intra-op thread count (at::set_num_threads) for a scope;
+/// with more than one, the blocked attention core spreads calls of every
+/// size over them (SpreadEveryCall), so that the tests' small inputs cover
+/// its parallel loop.
 class IntraOpThreads {
  public:
   explicit IntraOpThreads(int threads) : saved_(at::get_num_threads()) {
     at::set_num_threads(threads);
+    if (threads > 1) {
+      spread_.emplace();
+    }
   }
   ~IntraOpThreads() { at::set_num_threads(saved_); }
   IntraOpThreads(const IntraOpThreads&) = delete;
@@ -57,6 +66,7 @@ class IntraOpThreads {
 
  private:
   int saved_;
+  std::optional<mha::detail::SpreadEveryCall> spread_;
 };
 
 /// |actual - expected| <= 1e-5 + 1e-4 |expected| everywhere (the issue's

@@ -4,8 +4,10 @@
 // ATen's intra-op threads at 1 (BLAS keeps its own threads) and at 2 (the
 // blocked core's parallel loop, which sets the process's OpenBLAS to one
 // thread while it runs, and mha's calls on other threads wait for it:
-// blas_threads.h), OpenBLAS at 1 and 2 threads. Its own executable, so that
-// scripts/tsan.sh can build it with ThreadSanitizer without the rest.
+// blas_threads.h; these calls are small, so the loop runs only where the
+// test asks for it with SpreadEveryCall), OpenBLAS at 1 and 2 threads. Its own
+// executable, so that scripts/tsan.sh can build it with ThreadSanitizer without
+// the rest.
 //
 // Glossary: N batch, L query length, S key length, E embed_dim.
 #include <gtest/gtest.h>
@@ -14,10 +16,12 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "attention_core.h"  // SpreadEveryCall
 #include "blas_threads.h"
 #include "mha/multi_head_attention.h"
 
@@ -62,16 +66,23 @@ std::pair<torch::Tensor, torch::Tensor> run(mha::MultiHeadAttention& m,
 }
 
 /// How a run is set up: ATen's intra-op threads, OpenBLAS's threads (0:
-/// as found).
+/// as found), and whether the blocked core spreads calls of every size over
+/// the intra-op threads (SpreadEveryCall; by default these small calls run
+/// in order on the calling thread).
 struct Setting {
   int intra_op_threads;
   int openblas_threads;
+  bool spread_every_call;
 };
 
 void check_threads_match_serial(const Setting& setting,
                                 torch::ScalarType dtype) {
   const int intra_op_threads = setting.intra_op_threads;
   at::set_num_threads(intra_op_threads);
+  std::optional<mha::detail::SpreadEveryCall> spread;
+  if (setting.spread_every_call) {
+    spread.emplace();
+  }
   torch::manual_seed(0);
   mha::MultiHeadAttention m(mha::MultiHeadAttentionOptions(32, 4));
   m->to(dtype);
@@ -138,7 +149,8 @@ class ThreadsTest : public ::testing::TestWithParam<Setting> {
 };
 
 // intra_op 1: the blocked core runs its blocks in order, BLAS keeps its own
-// threads. intra_op 2: the blocked core runs its parallel loop, which sets
+// threads. intra_op 2, "_spread": the blocked core runs its parallel loop
+// (without "_spread" these small calls run in order), which sets
 // the process's OpenBLAS (pthreads build) to one thread while it runs
 // (blas_threads.h). OpenBLAS's float32 GEMM rounds differently on 1 and 2
 // threads at these sizes (measured: calls with L >= 64 differed in the
@@ -162,12 +174,14 @@ TEST_P(ThreadsTest, EightThreadsMatchSerialCalls) {
 
 INSTANTIATE_TEST_SUITE_P(
     Settings, ThreadsTest,
-    ::testing::Values(Setting{1, 0}, Setting{2, 1}, Setting{2, 2}),
+    ::testing::Values(Setting{1, 0, false}, Setting{2, 1, true},
+                      Setting{2, 2, true}, Setting{2, 2, false}),
     [](const auto& param_info) {
       const auto& s = param_info.param;
       return "intra_op_" + std::to_string(s.intra_op_threads) + "_blas_" +
              (s.openblas_threads > 0 ? std::to_string(s.openblas_threads)
-                                     : std::string("default"));
+                                     : std::string("default")) +
+             (s.spread_every_call ? "_spread" : "");
     });
 
 // The two kinds of BLAS scope take turns across threads (blas_threads.h):
