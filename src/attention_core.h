@@ -104,6 +104,7 @@ struct AttentionCall {
   int64_t dims = 4;          ///< query.dim()
   int64_t query_length = 1;  ///< L
   int64_t key_length = 1;    ///< S
+  int64_t scores = 1;        ///< N·H·L·S (all leading dims times L·S)
   bool grouped = false;      ///< 4-D key/value with fewer heads than query
   double dropout_p = 0.0;
   WeightsMode weights = WeightsMode::kNone;
@@ -121,6 +122,15 @@ struct AttentionCall {
                           WeightsMode weights);
 };
 
+/// Calls of at most this many scores (N·H·L·S) take the blocked path where
+/// it applies, before LibTorch's fused kernel. Measured (mha-bench,
+/// LibTorch 2.14.1, CPU, 2 threads, OpenBLAS 0.3.34; docs/speed.md): at
+/// (2, 128, 256, 4) mha / torch::nn 0.93 fused -> 0.84 blocked over the five
+/// modes without weights (forward+backward 1.04 -> 0.93); at 512 Ki and
+/// 1 Mi scores blocked faster or within the noise in every mode, at 4 Mi
+/// scores sometimes much slower ((1, 1024, 256, 4) inference 0.80 -> 1.07).
+constexpr int64_t kBlockedFirstScores = int64_t{1} << 20;
+
 /// The fused kernel applies: built in (LibTorch >= 2.5), no weights asked
 /// for (it returns none), and no position limits or bias beyond top-left
 /// causal (it takes only is_causal).
@@ -131,8 +141,9 @@ bool fused_applies(const AttentionCall& call);
 bool blocked_applies(const AttentionCall& call);
 
 /// The path attention_core takes: the first that applies of
-/// 1. blocked, when key/value heads are grouped (read in place there);
-/// 2. fused; 3. blocked; 4. explicit.
+/// 1. blocked, when key/value heads are grouped (read in place there) or
+/// the call has at most kBlockedFirstScores scores; 2. fused; 3. blocked;
+/// 4. explicit.
 /// One exception depends on data, not on the call: on CPU a fused result
 /// holding NaN (a score that overflowed to +inf at a blocked key) is
 /// recomputed on the path chosen with fused_available = false.

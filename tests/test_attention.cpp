@@ -1429,7 +1429,9 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
 // ------------------------------------------------------- path choice table ---
 // choose_path is a function of the call's properties: this table pins the
 // path for each combination, for a LibTorch without (< 2.5) and with the
-// fused kernel, whatever this build has. CUDA rows need no GPU.
+// fused kernel, whatever this build has. CUDA rows need no GPU. The rows are
+// large calls (more than kBlockedFirstScores scores) unless they say
+// "small".
 
 namespace {
 
@@ -1444,12 +1446,41 @@ std::vector<PathRow> path_rows() {
   using mha::detail::AttentionCall;
   using mha::detail::WeightsMode;
   auto call = [](auto&& configure) {
-    AttentionCall c;  // CPU float32 4-D, L = S = 1, no weights, no dropout
+    AttentionCall c;  // CPU float32 4-D, no weights, no dropout
+    c.query_length = c.key_length = 2048;
+    c.scores = 2048 * 2048;  // N = H = 1
     configure(c);
     return c;
   };
+  auto small = [](AttentionCall& c) {
+    c.scores = mha::detail::kBlockedFirstScores;
+  };
   return {
       {"cpu f32", call([](auto&) {}), "blocked", "fused"},
+      {"cpu f32 small", call(small), "blocked", "blocked"},
+      {"cpu f32 small + 1",
+       call([](auto& c) { c.scores = mha::detail::kBlockedFirstScores + 1; }),
+       "blocked", "fused"},
+      {"cpu f64 small", call([&](auto& c) {
+         small(c);
+         c.dtype = torch::kFloat64;
+       }),
+       "blocked", "blocked"},
+      {"cpu f16 small", call([&](auto& c) {
+         small(c);
+         c.dtype = torch::kFloat16;
+       }),
+       "explicit", "fused"},
+      {"cpu f32 small dropout", call([&](auto& c) {
+         small(c);
+         c.dropout_p = 0.1;
+       }),
+       "explicit", "fused"},
+      {"cuda f32 small", call([&](auto& c) {
+         small(c);
+         c.device = torch::kCUDA;
+       }),
+       "explicit", "fused"},
       {"cpu f64", call([](auto& c) { c.dtype = torch::kFloat64; }), "blocked",
        "fused"},
       {"cpu f16", call([](auto& c) { c.dtype = torch::kFloat16; }), "explicit",
@@ -1540,6 +1571,8 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   const bool fused = mha::has_fused_sdpa();
   EXPECT_EQ(AttentionCall().fused_available, fused);
   auto q = torch::randn({2, 4, 5, 8});
+  // Just over kBlockedFirstScores scores: a large call.
+  auto q_large = torch::randn({1, 1, 1025, 8});
   struct Call {
     const char* what;
     torch::Tensor query, key;
@@ -1548,7 +1581,9 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
     const char* expected;  // on this build
   };
   const std::vector<Call> calls = {
-      {"plain", q, q, false, 0.0, fused ? "fused" : "blocked"},
+      {"plain, small", q, q, false, 0.0, "blocked"},
+      {"plain, large", q_large, q_large, false, 0.0,
+       fused ? "fused" : "blocked"},
       {"weights", q, q, true, 0.0, "blocked"},
       {"dropout", q, q, false, 0.5, fused ? "fused" : "explicit"},
       {"bfloat16", q.to(torch::kBFloat16), q.to(torch::kBFloat16), true, 0.0,
@@ -1568,13 +1603,15 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
                    /*need_weights=*/false);
   EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
   // A score that overflows to +inf at a blocked key: the fused kernel gives
-  // NaN there, so the call is recomputed on the path chosen without it.
-  auto k = torch::randn({1, 3, 4});
+  // NaN there, so the call is recomputed on the path chosen without it (a
+  // large call: small ones take the blocked path first).
+  const int64_t S = mha::detail::kBlockedFirstScores / 2 + 1;
+  auto k = torch::randn({1, S, 4});
   k.select(1, 2).fill_(3e38f);
-  auto blocked = torch::zeros({2, 3}, torch::kBool);
+  auto blocked = torch::zeros({2, S}, torch::kBool);
   blocked.select(1, 2).fill_(true);
   auto [out, w] = mha::scaled_dot_product_attention(
-      torch::ones({1, 2, 4}), k, torch::randn({1, 3, 2}), blocked);
+      torch::ones({1, 2, 4}), k, torch::randn({1, S, 2}), blocked);
   EXPECT_FALSE(has_nan(out));
   EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
 }

@@ -116,15 +116,21 @@ int Tally::count(Status status) const {
 }
 
 void print_header(const Args& args, const std::string& blas) {
+  // As choose_path (src/attention_core.cpp) decides for float32 and float64.
+  const bool cpu = args.device_name == "cpu";
+  const char* without_weights =
+      mha::has_fused_sdpa()
+          ? (cpu ? "mha's blocked path up to 2^20 scores (N*H*L*S), "
+                   "LibTorch's fused scaled_dot_product_attention above"
+                 : "LibTorch's fused scaled_dot_product_attention")
+          : (cpu ? "mha's blocked path (no fused kernel before LibTorch 2.5)"
+                 : "mha's explicit softmax path (no fused kernel before "
+                   "LibTorch 2.5)");
   fmt::print(
       "mha-parity: LibTorch {}, device {}, {} intra-op thread(s), "
       "seed {}\nBLAS: {}\nattention without weights: {}\n",
       mha::torch_version(), args.device_name, at::get_num_threads(), args.seed,
-      blas,
-      mha::has_fused_sdpa()
-          ? "LibTorch's fused scaled_dot_product_attention"
-          : "mha's explicit softmax path (no fused kernel before LibTorch "
-            "2.5)");
+      blas, without_weights);
   fmt::print(
       "Errors are max |mha - ref| and max |mha - ref| / (|ref| + atol) "
       "over output, weights and every gradient.\n"
