@@ -101,9 +101,9 @@ constexpr int64_t kOneBlockScores = int64_t{1} << 20;
 /// OPENBLAS_THREAD_TIMEOUT) on the cores the parallel loop then wants, and
 /// on a small call the loop's gain is less than what that costs.
 /// Measured (mha-bench, LibTorch 1.13.1, OpenBLAS 0.3.21, 2 threads;
-/// docs/speed.md): up to (1, 512, 256, 4) the items in order were as fast
-/// or faster in every mode; at (1, 1024, 256, 4) causal 0.58 of torch::nn's
-/// time in order against 0.37 spread.
+/// docs/speed.md): up to (1, 512, 256, 4) the items in order were faster
+/// or within the noise in every mode; at (1, 1024, 256, 4) causal 0.58 of
+/// torch::nn's time in order against 0.37 spread.
 constexpr int64_t kSpreadScores = int64_t{1} << 20;
 
 /// In place on p (..., rows, cols): the columns outside each row's `limits`
