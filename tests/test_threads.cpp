@@ -17,6 +17,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,6 +75,13 @@ struct Setting {
   int openblas_threads;
   bool spread_every_call;
 };
+
+// GoogleTest prints a parameter without a printer as its bytes, padding
+// included (indeterminate); this prints the fields.
+void PrintTo(const Setting& s, std::ostream* os) {
+  *os << "intra_op " << s.intra_op_threads << ", blas " << s.openblas_threads
+      << (s.spread_every_call ? ", spread" : "");
+}
 
 void check_threads_match_serial(const Setting& setting,
                                 torch::ScalarType dtype) {
