@@ -130,6 +130,10 @@ const char* to_string(AttentionPath path) {
   return "?";
 }
 
+int64_t score_count(const torch::Tensor& query, int64_t key_length) {
+  return query.numel() / std::max<int64_t>(1, query.size(-1)) * key_length;
+}
+
 AttentionCall AttentionCall::of(const torch::Tensor& query,
                                 const torch::Tensor& key,
                                 const torch::Tensor& mask,
@@ -141,8 +145,7 @@ AttentionCall AttentionCall::of(const torch::Tensor& query,
   call.dims = query.dim();
   call.query_length = query.size(-2);
   call.key_length = key.size(-2);
-  call.scores =
-      query.numel() / std::max<int64_t>(1, query.size(-1)) * call.key_length;
+  call.scores = score_count(query, call.key_length);
   call.grouped = query.dim() == 4 && key.size(1) != query.size(1);
   call.dropout_p = dropout_p;
   call.weights = weights;

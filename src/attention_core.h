@@ -97,6 +97,11 @@ enum class AttentionPath {
 /// "fused", "blocked", "explicit".
 const char* to_string(AttentionPath path);
 
+/// N·H·L·S, the scores of a call: every leading dim of `query` (..., L, D)
+/// times L times `key_length` (S). What the size limits of choose_path and
+/// blocked_attention count.
+int64_t score_count(const torch::Tensor& query, int64_t key_length);
+
 /// What choose_path looks at: the properties of one call, never its data.
 struct AttentionCall {
   torch::DeviceType device = torch::kCPU;

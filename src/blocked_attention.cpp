@@ -544,8 +544,7 @@ AttentionResult blocked_attention(
       (query.requires_grad() || key.requires_grad() || value.requires_grad() ||
        (bias.defined() && bias.requires_grad()));
   // N·H·L·S: every score of the call.
-  const int64_t scores =
-      query.numel() / std::max<int64_t>(1, query.size(-1)) * S;
+  const int64_t scores = score_count(query, S);
   spec.one_block =
       block_rows <= 0 && scores <= kOneBlockScores && L <= kOneBlockRows;
   spec.spread = spread_items(scores);

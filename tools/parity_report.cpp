@@ -8,6 +8,7 @@
 #include <cctype>
 #include <filesystem>
 
+#include "attention_core.h"  // kBlockedFirstScores
 #include "cli.h"
 #include "mha/plot.h"
 #include "mha/version.h"
@@ -117,6 +118,8 @@ int Tally::count(Status status) const {
 
 void print_header(const Args& args, const std::string& blas) {
   // As choose_path (src/attention_core.cpp) decides for float32 and float64.
+  static_assert(mha::detail::kBlockedFirstScores == int64_t{1} << 20,
+                "the text below names the limit");
   const bool cpu = args.device_name == "cpu";
   const char* without_weights =
       mha::has_fused_sdpa()
