@@ -177,13 +177,16 @@ AttentionPath choose_path(const AttentionCall& call) {
   // The first path that applies, in this order:
   // 1. blocked, for grouped key/value heads: it reads key/value head
   //    h / (H / Hkv) in place, where the others need each copied per query
-  //    head (repeat_kv); and for small calls (kBlockedFirstScores), where
-  //    it was measured faster than the fused kernel;
-  // 2. fused: LibTorch's kernel, the fastest where it meets the semantics;
+  //    head (repeat_kv); and for small and large calls
+  //    (kBlockedFirstScores, kBlockedLargeScores), where it was measured
+  //    faster than the fused kernel;
+  // 2. fused: LibTorch's kernel, the fastest where it meets the semantics
+  //    (on CPU: at the sizes between those two);
   // 3. blocked;
   // 4. explicit, which takes every input.
   const bool small = call.scores <= kBlockedFirstScores;
-  if ((call.grouped || small) && blocked_applies(call)) {
+  const bool large = call.scores >= kBlockedLargeScores;
+  if ((call.grouped || small || large) && blocked_applies(call)) {
     return AttentionPath::kBlocked;
   }
   if (fused_applies(call)) {

@@ -136,6 +136,18 @@ struct AttentionCall {
 /// scores sometimes much slower ((1, 1024, 256, 4) inference 0.80 -> 1.07).
 constexpr int64_t kBlockedFirstScores = int64_t{1} << 20;
 
+/// Calls of at least this many scores (N·H·L·S) also take the blocked path
+/// where it applies, before LibTorch's fused kernel. Measured (mha-bench,
+/// LibTorch 2.14.1, CPU, 2 threads, OpenBLAS 0.3.34, both paths forced in
+/// alternating runs; docs/speed.md): from 32 Mi scores the blocked path
+/// was faster or within the noise in every mode at seven shapes
+/// ((4, 1024, 512, 8) to (1, 8192, 256, 4); at (1, 4096, 256, 4)
+/// forward+backward 0.62-0.66 of projections + SDPA against 0.99-1.14
+/// fused); between 1 Mi and 32 Mi it was clearly slower at some shapes
+/// ((1, 1024, 256, 4) and (1, 2048, 256, 4) forward 1.13-1.15 against
+/// 1.01-1.03), so those calls keep the fused kernel.
+constexpr int64_t kBlockedLargeScores = int64_t{1} << 25;
+
 /// The fused kernel applies: built in (LibTorch >= 2.5), no weights asked
 /// for (it returns none), and no position limits or bias beyond top-left
 /// causal (it takes only is_causal).
@@ -147,8 +159,8 @@ bool blocked_applies(const AttentionCall& call);
 
 /// The path attention_core takes: the first that applies of
 /// 1. blocked, when key/value heads are grouped (read in place there) or
-/// the call has at most kBlockedFirstScores scores; 2. fused; 3. blocked;
-/// 4. explicit.
+/// the call has at most kBlockedFirstScores or at least kBlockedLargeScores
+/// scores; 2. fused; 3. blocked; 4. explicit.
 /// One exception depends on data, not on the call: on CPU a fused result
 /// holding NaN (a score that overflowed to +inf at a blocked key) is
 /// recomputed on the path chosen with fused_available = false.

@@ -1430,8 +1430,8 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
 // choose_path is a function of the call's properties: this table pins the
 // path for each combination, for a LibTorch without (< 2.5) and with the
 // fused kernel, whatever this build has. CUDA rows need no GPU. The rows are
-// large calls (more than kBlockedFirstScores scores) unless they say
-// "small".
+// mid-sized calls (more than kBlockedFirstScores and fewer than
+// kBlockedLargeScores scores) unless they say "small" or "large".
 
 namespace {
 
@@ -1461,6 +1461,32 @@ std::vector<PathRow> path_rows() {
       {"cpu f32 small + 1",
        call([](auto& c) { c.scores = mha::detail::kBlockedFirstScores + 1; }),
        "blocked", "fused"},
+      {"cpu f32 large",
+       call([](auto& c) { c.scores = mha::detail::kBlockedLargeScores; }),
+       "blocked", "blocked"},
+      {"cpu f32 large - 1",
+       call([](auto& c) { c.scores = mha::detail::kBlockedLargeScores - 1; }),
+       "blocked", "fused"},
+      {"cpu f64 large", call([](auto& c) {
+         c.scores = mha::detail::kBlockedLargeScores;
+         c.dtype = torch::kFloat64;
+       }),
+       "blocked", "blocked"},
+      {"cpu f16 large", call([](auto& c) {
+         c.scores = mha::detail::kBlockedLargeScores;
+         c.dtype = torch::kFloat16;
+       }),
+       "explicit", "fused"},
+      {"cpu f32 large dropout", call([](auto& c) {
+         c.scores = mha::detail::kBlockedLargeScores;
+         c.dropout_p = 0.1;
+       }),
+       "explicit", "fused"},
+      {"cuda f32 large", call([](auto& c) {
+         c.scores = mha::detail::kBlockedLargeScores;
+         c.device = torch::kCUDA;
+       }),
+       "explicit", "fused"},
       {"cpu f64 small", call([&](auto& c) {
          small(c);
          c.dtype = torch::kFloat64;
@@ -1571,8 +1597,12 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   const bool fused = mha::has_fused_sdpa();
   EXPECT_EQ(AttentionCall().fused_available, fused);
   auto q = torch::randn({2, 4, 5, 8});
-  // Just over kBlockedFirstScores scores: a large call.
-  auto q_large = torch::randn({1, 1, 1025, 8});
+  // Just over kBlockedFirstScores scores: a mid-sized call; and exactly
+  // kBlockedLargeScores (4096 x 8192): a large one.
+  auto q_mid = torch::randn({1, 1, 1025, 8});
+  auto q_large = torch::randn({1, 1, 4096, 8});
+  auto k_large = torch::randn({1, 1, 8192, 8});
+  static_assert(4096 * 8192 == mha::detail::kBlockedLargeScores);
   struct Call {
     const char* what;
     torch::Tensor query, key;
@@ -1582,8 +1612,9 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   };
   const std::vector<Call> calls = {
       {"plain, small", q, q, false, 0.0, "blocked"},
-      {"plain, large", q_large, q_large, false, 0.0,
+      {"plain, mid-sized", q_mid, q_mid, false, 0.0,
        fused ? "fused" : "blocked"},
+      {"plain, large", q_large, k_large, false, 0.0, "blocked"},
       {"weights", q, q, true, 0.0, "blocked"},
       {"dropout", q, q, false, 0.5, fused ? "fused" : "explicit"},
       {"bfloat16", q.to(torch::kBFloat16), q.to(torch::kBFloat16), true, 0.0,
@@ -1604,7 +1635,7 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
   // A score that overflows to +inf at a blocked key: the fused kernel gives
   // NaN there, so the call is recomputed on the path chosen without it (a
-  // large call: small ones take the blocked path first).
+  // mid-sized call: small and large ones take the blocked path first).
   const int64_t S = mha::detail::kBlockedFirstScores / 2 + 1;
   auto k = torch::randn({1, S, 4});
   k.select(1, 2).fill_(3e38f);

@@ -118,13 +118,15 @@ int Tally::count(Status status) const {
 
 void print_header(const Args& args, const std::string& blas) {
   // As choose_path (src/attention_core.cpp) decides for float32 and float64.
-  static_assert(mha::detail::kBlockedFirstScores == int64_t{1} << 20,
-                "the text below names the limit");
+  static_assert(mha::detail::kBlockedFirstScores == int64_t{1} << 20 &&
+                    mha::detail::kBlockedLargeScores == int64_t{1} << 25,
+                "the text below names the limits");
   const bool cpu = args.device_name == "cpu";
   const char* without_weights =
       mha::has_fused_sdpa()
-          ? (cpu ? "mha's blocked path up to 2^20 scores (N*H*L*S), "
-                   "LibTorch's fused scaled_dot_product_attention above"
+          ? (cpu ? "mha's blocked path up to 2^20 and from 2^25 scores "
+                   "(N*H*L*S), LibTorch's fused scaled_dot_product_attention "
+                   "between"
                  : "LibTorch's fused scaled_dot_product_attention")
           : (cpu ? "mha's blocked path (no fused kernel before LibTorch 2.5)"
                  : "mha's explicit softmax path (no fused kernel before "
