@@ -117,8 +117,15 @@ bool gemm_one(const StridedMatrix& a, const StridedMatrix& b, double alpha,
   const Operand oa = operand(m, k, a.row_stride, a.col_stride);
   const Operand ob = operand(k, n, b.row_stride, b.col_stride);
   const Operand oc = operand(m, n, c.row_stride, c.col_stride);
-  if (aten_column_major || !aten_row_major || !oa.ok || !ob.ok || !oc.ok ||
-      oc.trans != 'N' ||
+  // A one-row a whose row stride is below k (a column's transpose: strides
+  // (1, 1)) times a transposed b: LibTorch 2.14's addmm does not make this
+  // call there (its float32 and float64 results differed from it in the
+  // last bits; 1.13's matched). Neither of mha's paths passes that layout;
+  // ATen keeps it on every version.
+  const bool aten_own_route =
+      m == 1 && k > 1 && a.row_stride < k && ob.trans == 'T';
+  if (aten_column_major || !aten_row_major || aten_own_route || !oa.ok ||
+      !ob.ok || !oc.ok || oc.trans != 'N' ||
       !(fits_int(m) && fits_int(n) && fits_int(k) && fits_int(oa.ld) &&
         fits_int(ob.ld) && fits_int(oc.ld))) {
     return false;

@@ -36,7 +36,9 @@ struct StridedMatrix {
 /// the dtype is float32 or float64 with BLAS's gemm found, m, n and k are
 /// nonzero, a and b have unit stride along one dim, c is row-major (unit
 /// column stride, not also readable as column-major: ATen computes those,
-/// such as a contiguous one-column c, another way) and sizes and leading
+/// such as a contiguous one-column c, another way), a is not one row with a
+/// row stride below k times a transposed b (LibTorch 2.x's addmm takes
+/// another route there) and sizes and leading
 /// dims fit an int, makes the one call of BLAS's gemm that addmm would
 /// make, on the calling thread, and returns true; otherwise calls
 /// at::addmm_out on tensors over the same memory and returns false. The
@@ -56,7 +58,9 @@ bool gemm_matrix(torch::ScalarType dtype, const StridedMatrix& a,
 /// ATen's bmm uses its own loop, not BLAS), each matrix of a and b has unit
 /// stride in one of its last two dims, out's matrices are row-major (unit
 /// column stride, not also readable as column-major: ATen computes those,
-/// such as a contiguous one-column out, another way), and sizes and leading
+/// such as a contiguous one-column out, another way), the matrices are not
+/// one-row a's with a row stride below k times transposed b's (as
+/// gemm_matrix), and sizes and leading
 /// dims fit an int, the products are one gemm call per matrix on the calling
 /// thread, the call ATen's bmm makes for each matrix (same results);
 /// otherwise at::bmm_out, then a multiply by alpha unless it is 1. BLAS's own
