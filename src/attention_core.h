@@ -140,12 +140,12 @@ constexpr int64_t kBlockedFirstScores = int64_t{1} << 20;
 /// where it applies, before LibTorch's fused kernel. Measured (mha-bench,
 /// LibTorch 2.14.1, CPU, 2 threads, OpenBLAS 0.3.34, both paths forced in
 /// alternating runs; docs/speed.md): from 32 Mi scores the blocked path
-/// was faster or within the noise in every mode at seven shapes
-/// ((4, 1024, 512, 8) to (1, 8192, 256, 4); at (1, 4096, 256, 4)
-/// forward+backward 0.62-0.66 of projections + SDPA against 0.99-1.14
-/// fused); between 1 Mi and 32 Mi it was clearly slower at some shapes
-/// ((1, 1024, 256, 4) and (1, 2048, 256, 4) forward 1.13-1.15 against
-/// 1.01-1.03), so those calls keep the fused kernel.
+/// was faster or within the noise in every mode at eight shapes of 32 Mi
+/// to 256 Mi scores ((4, 1024, 512, 8) to (1, 8192, 256, 4); at
+/// (1, 4096, 256, 4) forward+backward 0.62-0.66 of projections + SDPA
+/// against 0.99-1.14 fused); between 1 Mi and 32 Mi it was clearly slower
+/// at some shapes ((1, 1024, 256, 4) and (1, 2048, 256, 4) forward
+/// 1.13-1.15 against 1.01-1.03), so those calls keep the fused kernel.
 constexpr int64_t kBlockedLargeScores = int64_t{1} << 25;
 
 /// The fused kernel applies: built in (LibTorch >= 2.5), no weights asked
