@@ -205,7 +205,8 @@ AttentionResult explicit_attention(const torch::Tensor& query,
 
 /// Whether blocked attention keeps each block's weights for backward.
 enum class KeptWeights {
-  kAuto,    ///< when a gradient is needed and N·H·L·S <= 2^20
+  kAuto,    ///< when a gradient is needed and the call is one block of all
+            ///< heads (at most 32 query rows and 2^20 scores, N·H·L·S)
   kAlways,  ///< always, N·H·L·S scores of memory (for tests)
   kNever,   ///< backward recomputes them block by block
 };
@@ -216,8 +217,8 @@ enum class KeptWeights {
 /// and softmax applied in place, only the columns a block's rows can see
 /// computed (right of the diagonal when causal, outside the window); blocks
 /// spread over ATen's threads (for_each_item). Backward (a custom autograd
-/// function) uses each block's weights kept by forward or, for large
-/// problems (`kept`), recomputes them block by block: memory then
+/// function) uses the weights kept by forward (`kept`: by default only in
+/// the one-block form below) or recomputes them block by block: memory then
 /// O(block_rows · S) per thread besides the inputs and outputs. Calls with
 /// L <= 32 and N·H·L·S <= 2^20 (a decoding step, short chunks) and
 /// block_rows 0 are one block of all heads instead: each step one batched

@@ -549,14 +549,16 @@ AttentionResult blocked_attention(
       block_rows <= 0 && scores <= kOneBlockScores && L <= kOneBlockRows;
   spec.spread = spread_items(scores);
   if (kept == KeptWeights::kAuto) {
-    // Keeping the weights saves backward a third of its work (the scores'
-    // GEMM and softmax again); worth its memory while that is small. Without
-    // a gradient to compute nothing is kept.
-    // Measured with mha-bench at (2,128,256,4): forward 0.87-0.90 of
-    // torch::nn with the weights kept vs 0.95 through autograd of the
-    // batched ops (the path small problems took before), forward+backward
-    // unchanged; at (8,256,512,8) keeping 16 MiB gained nothing clear.
-    spec.keep_weights = needs_grad && scores <= kOneBlockScores;
+    // Kept only where it costs no copy: the one-block form hands its weights
+    // buffer to backward as it is. The per-block path would copy every block
+    // into an (N, H, L, S) tensor, and that cost forward more than the
+    // recomputation cost backward: mha-bench at (2,128,256,4) (L = 128, the
+    // per-block path), LibTorch 1.13, four alternating runs, mha /
+    // torch::nn with the weights kept -> recomputed: forward 0.83-0.86 ->
+    // 0.79-0.80, forward+backward 0.88-0.92 -> 0.89-0.93; the core alone
+    // on 2.14, forward with autograd on, 1092-1117 -> 834-840 us. Without a
+    // gradient to compute nothing is kept.
+    spec.keep_weights = needs_grad && spec.one_block;
   } else {
     spec.keep_weights = kept == KeptWeights::kAlways;
   }

@@ -1725,6 +1725,39 @@ TEST(BatchedGemmOut, MatchesAtenBmmBitForBit) {
   }
 }
 
+// Per-block calls recompute their weights in backward by default (kAuto);
+// kept or recomputed, the gradients must be the same bit for bit, so that
+// the choice is speed only (the weights are computed by the same code).
+TEST(BlockedAttention, RecomputedWeightsGiveKeptGradientsBitForBit) {
+  using mha::detail::KeptWeights;
+  for (const int64_t L : {33, 200}) {
+    for (const bool causal : {false, true}) {
+      torch::manual_seed(3);
+      auto q = torch::randn({2, 4, L, 16}), k = torch::randn({2, 4, L, 16});
+      auto v = torch::randn({2, 4, L, 16}), grad_out = torch::randn_like(v);
+      std::vector<std::vector<torch::Tensor>> results;
+      for (const auto kept :
+           {KeptWeights::kAlways, KeptWeights::kNever, KeptWeights::kAuto}) {
+        auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_();
+        auto vg = v.clone().requires_grad_();
+        auto out = mha::detail::blocked_attention(
+                       qg, kg, vg, {}, mha::detail::KeyPositions(causal), 0.25,
+                       mha::detail::WeightsMode::kNone, /*block_rows=*/0, kept)
+                       .output;
+        out.backward(grad_out);
+        results.push_back({out.detach(), qg.grad(), kg.grad(), vg.grad()});
+      }
+      for (size_t i = 1; i < results.size(); ++i) {
+        for (size_t j = 0; j < results[0].size(); ++j) {
+          EXPECT_TRUE(torch::equal(results[i][j], results[0][j]))
+              << "L " << L << " causal " << causal << " variant " << i
+              << " tensor " << j;
+        }
+      }
+    }
+  }
+}
+
 // gemm_matrix (src/blas_gemm.h): the per-block path's products, one BLAS
 // call each, must be ATen's addmm bit for bit: c = alpha · a · b + beta · c
 // for the layouts that path passes (rows of a head, a block's columns
