@@ -238,9 +238,10 @@ AttentionResult attention_core(const torch::Tensor& query,
     // result is recomputed on the path chosen without the fused kernel; on
     // an accelerator the check would stall the stream, so there the fused
     // result stands. The check is one sum: NaN wherever an entry is (and
-    // where +inf and -inf entries meet, which a recomputation only repeats);
-    // 4-5x cheaper than isnan().any() (LibTorch 2.14, 2 threads: 0.26
-    // against 1.39 ms for 2^20 float32 entries).
+    // where infinities of both signs meet, entries or partial sums that
+    // overflowed: a recomputation then only repeats the result); 4-5x cheaper
+    // than isnan().any() (LibTorch 2.14, 2 threads: 0.26 against 1.39 ms for
+    // 2^20 float32 entries).
     if (!query.device().is_cpu() || !at::isnan(output.sum()).item<bool>()) {
       last_path = AttentionPath::kFused;
       return {output, torch::Tensor()};
