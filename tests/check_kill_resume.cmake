@@ -134,5 +134,5 @@ if(NOT rows EQUAL expected_rows OR NOT whole_losses STREQUAL killed_losses)
                       "${killed_losses}")
 endif()
 message(STATUS "${kills} kills (${kills_after_progress} after a new "
-               "checkpoint; start-up ${startup_cs} cs, the whole run ${whole_cs} cs), resumed to "
-               "the same ${rows} loss rows")
+               "checkpoint; start-up ${startup_cs} cs, the whole run "
+               "${whole_cs} cs), resumed to the same ${rows} loss rows")
