@@ -205,8 +205,8 @@ AttentionResult explicit_attention(const torch::Tensor& query,
 
 /// Whether blocked attention keeps each block's weights for backward.
 enum class KeptWeights {
-  kAuto,    ///< when a gradient is needed and the call is one block of all
-            ///< heads (at most 32 query rows and 2^20 scores, N·H·L·S)
+  kAuto,    ///< when a gradient is needed and the call has at most 2^20
+            ///< scores (N·H·L·S)
   kAlways,  ///< always, N·H·L·S scores of memory (for tests)
   kNever,   ///< backward recomputes them block by block
 };

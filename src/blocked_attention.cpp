@@ -271,7 +271,8 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
         const auto row0 = item % blocks * B;
         const Block block(spec.positions, row0, std::min(B, L - row0), L, S);
         const auto rows = block.rows, col0 = block.col0, cols = block.cols;
-        auto p = scratch.narrow(0, 0, rows * cols).view({rows, cols});
+        const auto scratch_p =
+            scratch.narrow(0, 0, rows * cols).view({rows, cols});
         for (auto h = h_begin; h < h_end; ++h) {
           // (rows, Dv), strided rows of the (N, L, H, Dv) buffer
           auto out_rows = [&] {
@@ -288,6 +289,17 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
           const auto blocked = spec.mask.defined()
                                    ? select_nh(spec.blocked, n, h)
                                    : torch::Tensor();
+          // Rows [row0, +rows), columns [col0, +cols) of kept[n][h] (kept is
+          // contiguous). A block that spans all S columns is contiguous: the
+          // weights are computed there, with no copy.
+          torch::Tensor kept_block;
+          if (spec.keep_weights) {
+            kept_block = kept.as_strided({rows, cols}, {S, 1},
+                                         ((n * H + h) * L + row0) * S + col0);
+          }
+          auto p = kept_block.defined() && kept_block.is_contiguous()
+                       ? kept_block
+                       : scratch_p;
           block_weights(p, q, k, n, h, h_kv, mask, blocked,
                         bias_row(relative_bias, h), spec, block, empty);
           gemm_matrix(p.scalar_type(), matrix_of(p),
@@ -298,8 +310,8 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
             auto o = out_rows();
             zero_rows(o, empty);
           }
-          if (spec.keep_weights) {
-            kept[n][h].narrow(0, row0, rows).narrow(1, col0, cols).copy_(p);
+          if (kept_block.defined() && !kept_block.is_same(p)) {
+            kept_block.copy_(p);
           }
           if (spec.weights == WeightsMode::kPerHead) {
             weights[n][h].narrow(0, row0, rows).narrow(1, col0, cols).copy_(p);
@@ -549,16 +561,17 @@ AttentionResult blocked_attention(
       block_rows <= 0 && scores <= kOneBlockScores && L <= kOneBlockRows;
   spec.spread = spread_items(scores);
   if (kept == KeptWeights::kAuto) {
-    // Kept only where it costs no copy: the one-block form hands its weights
-    // buffer to backward as it is. The per-block path would copy every block
-    // into an (N, H, L, S) tensor, and that cost forward more than the
-    // recomputation cost backward: mha-bench at (2,128,256,4) (L = 128, the
-    // per-block path), LibTorch 1.13, four alternating runs, mha /
-    // torch::nn with the weights kept -> recomputed: forward 0.83-0.86 ->
-    // 0.79-0.80, forward+backward 0.88-0.92 -> 0.89-0.93; the core alone
-    // on 2.14, forward with autograd on, 1092-1117 -> 834-840 us. Without a
-    // gradient to compute nothing is kept.
-    spec.keep_weights = needs_grad && spec.one_block;
+    // Kept while small (at most kOneBlockScores, 4 MiB of float32), so that
+    // backward skips each block's scores GEMM and softmax. A block that
+    // spans all S columns is computed in its place in the kept tensor;
+    // others (causal blocks short of S) are copied there. mha-bench at
+    // (2,128,256,4), LibTorch 1.13, three alternating runs, mha / torch::nn
+    // recomputed -> kept in place: forward+backward 0.94-0.96 -> 0.89-0.90,
+    // forward 0.77-0.79 -> 0.78-0.80 (the same within the noise). Copying
+    // every block instead had cost forward more than it saved backward
+    // (forward 0.83-0.86 against 0.79-0.80). Without a gradient to compute
+    // nothing is kept.
+    spec.keep_weights = needs_grad && scores <= kOneBlockScores;
   } else {
     spec.keep_weights = kept == KeptWeights::kAlways;
   }

@@ -1725,12 +1725,15 @@ TEST(BatchedGemmOut, MatchesAtenBmmBitForBit) {
   }
 }
 
-// Per-block calls recompute their weights in backward by default (kAuto);
-// kept or recomputed, the gradients must be the same bit for bit, so that
-// the choice is speed only (the weights are computed by the same code).
+// Calls of at most 2^20 scores keep their weights for backward by default
+// (kAuto), larger ones recompute them; kept or recomputed, the gradients must
+// be the same bit for bit, so that the choice is speed only (the weights are
+// computed by the same code). L = 300 causal has a block short of S (256
+// rows, 256 columns: copied into the kept tensor) and one spanning all S
+// (computed in place).
 TEST(BlockedAttention, RecomputedWeightsGiveKeptGradientsBitForBit) {
   using mha::detail::KeptWeights;
-  for (const int64_t L : {33, 200}) {
+  for (const int64_t L : {33, 200, 300}) {
     for (const bool causal : {false, true}) {
       torch::manual_seed(3);
       auto q = torch::randn({2, 4, L, 16}), k = torch::randn({2, 4, L, 16});
