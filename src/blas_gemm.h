@@ -30,6 +30,11 @@ struct StridedMatrix {
   StridedMatrix t() const { return {data, cols, rows, col_stride, row_stride}; }
 };
 
+/// A 2-D tensor's memory, for gemm_matrix.
+inline StridedMatrix matrix_of(const torch::Tensor& t) {
+  return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.stride(1)};
+}
+
 /// c = alpha · a · b + beta · c (a: m x k, b: k x n, c: m x n, CPU memory
 /// of `dtype`; beta 0: c's contents, NaN included, never read), with ATen's
 /// CPU addmm's results bit for bit. Where LibTorch is built without MKL,

@@ -150,11 +150,6 @@ StridedMatrix rows_of(const torch::Tensor& t, int64_t n, int64_t h,
   return {first, rows, t.size(3), t.stride(2), t.stride(3)};
 }
 
-/// A 2-D tensor, for gemm_matrix.
-StridedMatrix matrix_of(const torch::Tensor& t) {
-  return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.stride(1)};
-}
-
 /// One block: query rows [row0, row0 + rows) and the key columns
 /// [col0, col0 + cols) any of them can see (cols may be 0).
 struct Block {

@@ -7,10 +7,64 @@
 // T any length.
 #include "module_inputs.h"
 
+#include <cstring>
+
+#include "blas_gemm.h"
 #include "mha/masks.h"
 #include "projection.h"
 
 namespace mha::detail {
+
+namespace {
+
+/// y (rows, F') = x2d (rows, F) · wᵀ + b as at::addmm(b, x2d, w.t()), with
+/// the bias rows copied on this thread; only without a gradient to record.
+torch::Tensor addmm_rows(const torch::Tensor& x2d, const torch::Tensor& w,
+                         const torch::Tensor& b) {
+  auto y = at::empty({x2d.size(0), w.size(0)}, x2d.options());
+  const auto row_bytes = static_cast<size_t>(y.size(1) * y.element_size());
+  const auto* bias = static_cast<const char*>(b.data_ptr());
+  auto* row = static_cast<char*>(y.data_ptr());
+  for (int64_t r = 0; r < y.size(0); ++r, row += row_bytes) {
+    std::memcpy(row, bias, row_bytes);
+  }
+  gemm_matrix(y.scalar_type(), matrix_of(x2d), matrix_of(w).t(), 1,
+              /*beta=*/1, matrix_of(y));
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w,
+                      const torch::Tensor& b) {
+  if (x.dim() != 3) {
+    return torch::nn::functional::linear(x, w, b);
+  }
+  if (!x.is_contiguous() && x.transpose(0, 1).is_contiguous()) {
+    return project(x.transpose(0, 1), w, b).transpose(0, 1);
+  }
+  const auto rows = x.size(0) * x.size(1);
+  auto x2d = x.reshape({rows, x.size(2)});  // (N·T, F), a view if contiguous
+  const bool records_grad = torch::GradMode::is_enabled() &&
+                            (x.requires_grad() || w.requires_grad() ||
+                             (b.defined() && b.requires_grad()));
+  torch::Tensor y;
+  if (!b.defined()) {
+    y = at::mm(x2d, w.t());
+  } else if (!records_grad && x.device().is_cpu() && w.device().is_cpu() &&
+             b.device().is_cpu() && w.dim() == 2 && w.size(1) == x.size(2) &&
+             b.dim() == 1 && b.is_contiguous() && b.size(0) == w.size(0) &&
+             w.scalar_type() == x.scalar_type() &&
+             b.scalar_type() == x.scalar_type() &&
+             direct_gemm_available(x.scalar_type())) {
+    // Anything else (other devices, dtypes or shapes, which addmm reports)
+    // takes at::addmm.
+    y = addmm_rows(x2d, w, b);
+  } else {
+    y = at::addmm(b, x2d, w.t());
+  }
+  return y.view({x.size(0), x.size(1), w.size(0)});  // (N, T, F')
+}
 
 /// (N, T, E) → (N, H, T, D).
 torch::Tensor split_heads(const torch::Tensor& x, int64_t num_heads) {

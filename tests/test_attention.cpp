@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -1759,6 +1760,51 @@ TEST(BlockedAttention, RecomputedWeightsGiveKeptGradientsBitForBit) {
       }
     }
   }
+}
+
+// detail::project without a gradient to record copies the bias rows itself
+// and makes addmm's BLAS call (gemm_matrix): its results must be at::addmm's
+// bit for bit, in both layouts it takes (batch-first, and the (N, T, F) view
+// of a seq-first tensor), with the packed weight's row slices the modules
+// pass, and the same as under autograd.
+TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
+  torch::manual_seed(9);
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    const auto opts = torch::TensorOptions().dtype(dtype);
+    for (const auto& [N, T, F, Fout] : std::vector<std::array<int64_t, 4>>{
+             {2, 128, 256, 768}, {1, 5, 8, 3}, {3, 1, 16, 1}, {2, 0, 4, 6}}) {
+      const auto packed_w = torch::randn({Fout + 2, F}, opts);
+      const auto w = packed_w.narrow(0, 1, Fout);  // rows of a packed weight
+      const auto b = torch::randn({Fout + 2}, opts).narrow(0, 2, Fout);
+      for (const bool seq_first : {false, true}) {
+        const auto x = seq_first ? torch::randn({T, N, F}, opts).transpose(0, 1)
+                                 : torch::randn({N, T, F}, opts);
+        const auto expected =
+            at::addmm(b, x.reshape({N * T, F}), w.t()).view({N, T, Fout});
+        torch::Tensor without_grad;
+        {
+          const torch::NoGradGuard no_grad;
+          without_grad = mha::detail::project(x, w, b);
+        }
+        auto wg = w.clone().requires_grad_();
+        const auto with_grad = mha::detail::project(x, wg, b);
+        SCOPED_TRACE(::testing::Message()
+                     << c10::toString(dtype) << " (" << N << ", " << T << ", "
+                     << F << ") -> " << Fout << " seq_first " << seq_first);
+        ASSERT_EQ(without_grad.sizes(), expected.sizes());
+        EXPECT_TRUE(torch::equal(without_grad, expected))
+            << "max abs difference "
+            << (without_grad - expected).abs().max().item<double>();
+        EXPECT_TRUE(torch::equal(with_grad.detach(), expected));
+        ASSERT_TRUE(with_grad.requires_grad());
+      }
+    }
+  }
+  // A weight of the wrong width is addmm's error, never a read past x.
+  const torch::NoGradGuard no_grad;
+  EXPECT_THROW(mha::detail::project(torch::randn({2, 3, 4}),
+                                    torch::randn({5, 6}), torch::randn({5})),
+               c10::Error);
 }
 
 // gemm_matrix (src/blas_gemm.h): the per-block path's products, one BLAS
