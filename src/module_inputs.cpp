@@ -25,7 +25,7 @@ torch::Tensor addmm_rows(const torch::Tensor& x2d, const torch::Tensor& w,
   const auto row_bytes = static_cast<size_t>(y.size(1) * y.element_size());
   const auto* bias = static_cast<const char*>(b.data_ptr());
   auto* row = static_cast<char*>(y.data_ptr());
-  for (int64_t r = 0; r < y.size(0); ++r, row += row_bytes) {
+  for (int64_t r = 0; row_bytes > 0 && r < y.size(0); ++r, row += row_bytes) {
     std::memcpy(row, bias, row_bytes);
   }
   gemm_matrix(y.scalar_type(), matrix_of(x2d), matrix_of(w).t(), 1,

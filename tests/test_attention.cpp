@@ -1766,13 +1766,19 @@ TEST(BlockedAttention, RecomputedWeightsGiveKeptGradientsBitForBit) {
 // and makes addmm's BLAS call (gemm_matrix): its results must be at::addmm's
 // bit for bit, in both layouts it takes (batch-first, and the (N, T, F) view
 // of a seq-first tensor), with the packed weight's row slices the modules
-// pass, and the same as under autograd.
+// pass, for empty shapes too (no rows, no outputs, no inputs), and the same
+// as under autograd.
 TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
   torch::manual_seed(9);
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     const auto opts = torch::TensorOptions().dtype(dtype);
-    for (const auto& [N, T, F, Fout] : std::vector<std::array<int64_t, 4>>{
-             {2, 128, 256, 768}, {1, 5, 8, 3}, {3, 1, 16, 1}, {2, 0, 4, 6}}) {
+    for (const auto& [N, T, F, Fout] :
+         std::vector<std::array<int64_t, 4>>{{2, 128, 256, 768},
+                                             {1, 5, 8, 3},
+                                             {3, 1, 16, 1},
+                                             {2, 0, 4, 6},
+                                             {2, 3, 4, 0},
+                                             {2, 3, 0, 5}}) {
       const auto packed_w = torch::randn({Fout + 2, F}, opts);
       const auto w = packed_w.narrow(0, 1, Fout);  // rows of a packed weight
       const auto b = torch::randn({Fout + 2}, opts).narrow(0, 2, Fout);
