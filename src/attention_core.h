@@ -217,8 +217,8 @@ enum class KeptWeights {
 /// and softmax applied in place, only the columns a block's rows can see
 /// computed (right of the diagonal when causal, outside the window); blocks
 /// spread over ATen's threads (for_each_item). Backward (a custom autograd
-/// function) uses the weights kept by forward (`kept`: by default only in
-/// the one-block form below) or recomputes them block by block: memory then
+/// function) uses the weights kept by forward (`kept`: by default for calls
+/// of at most 2^20 scores) or recomputes them block by block: memory then
 /// O(block_rows · S) per thread besides the inputs and outputs. Calls with
 /// L <= 32 and N·H·L·S <= 2^20 (a decoding step, short chunks) and
 /// block_rows 0 are one block of all heads instead: each step one batched

@@ -181,6 +181,17 @@ struct Block {
   }
 };
 
+/// The kept weights of `block` of head (n, h): rows [row0, +rows), columns
+/// [col0, +cols) of kept[n][h], kept (N, H, L, S) contiguous. Contiguous
+/// when the block spans all S columns.
+torch::Tensor kept_block_of(const torch::Tensor& kept, int64_t n, int64_t h,
+                            const Block& block) {
+  const auto H = kept.size(1), L = kept.size(2), S = kept.size(3);
+  return kept.as_strided(
+      {block.rows, block.cols}, {S, 1},
+      kept.storage_offset() + ((n * H + h) * L + block.row0) * S + block.col0);
+}
+
 /// Writes into `p` (rows, cols) the attention weights of one block of query
 /// head h (q[n][h]) over key head h_kv (k[n][h_kv]); bias_h: that head's
 /// relative_bias row, or undefined: scaled scores, mask, position bias and
@@ -284,14 +295,11 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
           const auto blocked = spec.mask.defined()
                                    ? select_nh(spec.blocked, n, h)
                                    : torch::Tensor();
-          // Rows [row0, +rows), columns [col0, +cols) of kept[n][h] (kept is
-          // contiguous). A block that spans all S columns is contiguous: the
-          // weights are computed there, with no copy.
-          torch::Tensor kept_block;
-          if (spec.keep_weights) {
-            kept_block = kept.as_strided({rows, cols}, {S, 1},
-                                         ((n * H + h) * L + row0) * S + col0);
-          }
+          // A kept block that spans all S columns is contiguous: the weights
+          // are computed there, with no copy.
+          const auto kept_block = spec.keep_weights
+                                      ? kept_block_of(kept, n, h, block)
+                                      : torch::Tensor();
           auto p = kept_block.defined() && kept_block.is_contiguous()
                        ? kept_block
                        : scratch_p;
@@ -379,8 +387,7 @@ BlockedGradients blocked_backward(
               // ATen's softmax backward below takes contiguous weights: a
               // block of every column is read in place, others (strided
               // rows in `kept`) are copied.
-              auto kept_block =
-                  kept[n][h].narrow(0, row0, rows).narrow(1, col0, cols);
+              const auto kept_block = kept_block_of(kept, n, h, block);
               if (kept_block.is_contiguous()) {
                 p = kept_block;
               } else {
