@@ -18,7 +18,8 @@ namespace mha::detail {
 namespace {
 
 /// y (rows, F') = x2d (rows, F) · wᵀ + b as at::addmm(b, x2d, w.t()), with
-/// the bias rows copied on this thread; only without a gradient to record.
+/// the bias rows copied on this thread; records no gradient itself
+/// (ProjectionFunction does that).
 torch::Tensor addmm_rows(const torch::Tensor& x2d, const torch::Tensor& w,
                          const torch::Tensor& b) {
   auto y = at::empty({x2d.size(0), w.size(0)}, x2d.options());
@@ -32,6 +33,48 @@ torch::Tensor addmm_rows(const torch::Tensor& x2d, const torch::Tensor& w,
               /*beta=*/1, matrix_of(y));
   return y;
 }
+
+/// addmm_rows under autograd: forward as addmm_rows, backward the gradients
+/// AddmmBackward0 gives at::addmm(b, x2d, w.t()) bit for bit (PyTorch's
+/// tools/autograd/derivatives.yaml, addmm with beta = alpha = 1, and
+/// FunctionsManual.cpp's mm_mat1_backward / mm_mat2_backward): the same
+/// at::mm calls on the same layouts, and the bias's gradient summed as the
+/// autograd engine sums a broadcast input's (at::sum_to).
+class ProjectionFunction
+    : public torch::autograd::Function<ProjectionFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
+                               const torch::Tensor& x2d, const torch::Tensor& w,
+                               const torch::Tensor& b) {
+    ctx->save_for_backward({x2d, w});
+    return addmm_rows(x2d, w, b);
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2d = saved[0], &w = saved[1];
+    const auto& grad = grads[0];  // (rows, F')
+    torch::Tensor grad_x, grad_w, grad_b;
+    if (ctx->needs_input_grad(0)) {
+      // mm_mat1_backward with mat2 = wᵀ: a column-major x2d (one row of one
+      // feature) takes the transposed product.
+      const bool column_major =
+          x2d.stride(0) == 1 && x2d.stride(1) == x2d.size(0);
+      grad_x = column_major ? w.t().mm(grad.t()).t() : grad.mm(w);
+    }
+    if (ctx->needs_input_grad(1)) {
+      // mm_mat2_backward with mat2 = wᵀ, always column-major: (gradᵀ ·
+      // x2d)ᵀ, then transposed back to w's layout by wᵀ's own backward.
+      grad_w = grad.t().mm(x2d);
+    }
+    if (ctx->needs_input_grad(2)) {
+      grad_b = at::sum_to(grad, at::IntArrayRef{grad.size(1)});
+    }
+    return {grad_x, grad_w, grad_b};
+  }
+};
 
 }  // namespace
 
@@ -51,7 +94,7 @@ torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w,
   torch::Tensor y;
   if (!b.defined()) {
     y = at::mm(x2d, w.t());
-  } else if (!records_grad && x.device().is_cpu() && w.device().is_cpu() &&
+  } else if (x.device().is_cpu() && w.device().is_cpu() &&
              b.device().is_cpu() && w.dim() == 2 && w.size(1) == x.size(2) &&
              b.dim() == 1 && b.is_contiguous() && b.size(0) == w.size(0) &&
              w.scalar_type() == x.scalar_type() &&
@@ -59,7 +102,8 @@ torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w,
              direct_gemm_available(x.scalar_type())) {
     // Anything else (other devices, dtypes or shapes, which addmm reports)
     // takes at::addmm.
-    y = addmm_rows(x2d, w, b);
+    y = records_grad ? ProjectionFunction::apply(x2d, w, b)
+                     : addmm_rows(x2d, w, b);
   } else {
     y = at::addmm(b, x2d, w.t());
   }

@@ -1813,6 +1813,93 @@ TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
                c10::Error);
 }
 
+// With a gradient to record, project runs its own autograd function; its
+// gradients must be those of at::addmm's autograd (AddmmBackward0) bit for
+// bit, for every subset of x, w and b that asks for one, whatever layout the
+// upstream gradient has.
+TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
+  torch::manual_seed(10);
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    const auto opts = torch::TensorOptions().dtype(dtype);
+    for (const auto& [N, T, F, Fout] :
+         std::vector<std::array<int64_t, 4>>{{2, 128, 256, 768},
+                                             {1, 5, 8, 3},
+                                             {1, 1, 1, 4},
+                                             {3, 1, 16, 1},
+                                             {2, 0, 4, 6}}) {
+      const auto packed_w = torch::randn({Fout + 2, F}, opts);
+      const auto b0 = torch::randn({Fout + 2}, opts);
+      const auto upstream = torch::randn({Fout, T, N}, opts);
+      for (const bool seq_first : {false, true}) {
+        const auto x0 = seq_first
+                            ? torch::randn({T, N, F}, opts).transpose(0, 1)
+                            : torch::randn({N, T, F}, opts);
+        for (int wants = 1; wants < 8; ++wants) {
+          // Leaves, then the rows of a packed weight as the modules pass them.
+          auto run = [&](bool reference) {
+            auto x = x0.detach().clone().requires_grad_((wants & 1) != 0);
+            auto pw = packed_w.clone().requires_grad_((wants & 2) != 0);
+            auto pb = b0.clone().requires_grad_((wants & 4) != 0);
+            const auto w = pw.narrow(0, 1, Fout);
+            const auto b = pb.narrow(0, 2, Fout);
+            // A seq-first x is projected in its own (T, N) row order, the
+            // order the weight's and bias's gradients sum over.
+            torch::Tensor y;
+            if (!reference) {
+              y = mha::detail::project(x, w, b);
+            } else if (seq_first) {
+              const auto rows = x.transpose(0, 1).reshape({T * N, F});
+              y = at::addmm(b, rows, w.t()).view({T, N, Fout}).transpose(0, 1);
+            } else {
+              y = at::addmm(b, x.reshape({N * T, F}), w.t()).view({N, T, Fout});
+            }
+            // A non-contiguous upstream gradient: (Fout, T, N) permuted.
+            (y * upstream.permute({2, 1, 0})).sum().backward();
+            return std::array<torch::Tensor, 4>{y.detach(), x.grad(), pw.grad(),
+                                                pb.grad()};
+          };
+          const auto expected = run(true);
+          const auto got = run(false);
+          SCOPED_TRACE(::testing::Message()
+                       << c10::toString(dtype) << " (" << N << ", " << T << ", "
+                       << F << ") -> " << Fout << " seq_first " << seq_first
+                       << " gradients of x/w/b " << wants);
+          const char* names[] = {"output", "x.grad", "w.grad", "b.grad"};
+          for (size_t i = 0; i < got.size(); ++i) {
+            ASSERT_EQ(got[i].defined(), expected[i].defined()) << names[i];
+            if (expected[i].defined()) {
+              ASSERT_EQ(got[i].sizes(), expected[i].sizes()) << names[i];
+              EXPECT_TRUE(torch::equal(got[i], expected[i]))
+                  << names[i] << " max abs difference "
+                  << (got[i] - expected[i]).abs().max().item<double>();
+            }
+          }
+        }
+      }
+    }
+  }
+  // Second order, as a gradient penalty takes it: the gradient of x's
+  // gradient reaches w as through addmm's own double backward.
+  auto second_order = [](bool reference) {
+    torch::manual_seed(11);
+    auto x = torch::randn({2, 3, 4}).requires_grad_();
+    auto w = torch::randn({5, 4}).requires_grad_();
+    auto b = torch::randn({5}).requires_grad_();
+    const auto y = reference
+                       ? at::addmm(b, x.reshape({6, 4}), w.t()).view({2, 3, 5})
+                       : mha::detail::project(x, w, b);
+    const auto gx = torch::autograd::grad({y.pow(2).sum()}, {x}, {},
+                                          /*retain_graph=*/true,
+                                          /*create_graph=*/true)[0];
+    gx.pow(2).sum().backward();
+    return std::make_pair(w.grad(), b.grad());
+  };
+  const auto expected = second_order(true);
+  const auto got = second_order(false);
+  EXPECT_TRUE(torch::equal(got.first, expected.first));
+  EXPECT_TRUE(torch::equal(got.second, expected.second));
+}
+
 // gemm_matrix (src/blas_gemm.h): the per-block path's products, one BLAS
 // call each, must be ATen's addmm bit for bit: c = alpha · a · b + beta · c
 // for the layouts that path passes (rows of a head, a block's columns
