@@ -1766,14 +1766,16 @@ TEST(BlockedAttention, RecomputedWeightsGiveKeptGradientsBitForBit) {
 // and makes addmm's BLAS call (gemm_matrix): its results must be at::addmm's
 // bit for bit, in both layouts it takes (batch-first, and the (N, T, F) view
 // of a seq-first tensor), with the packed weight's row slices the modules
-// pass, for empty shapes too (no rows, no outputs, no inputs), and the same
-// as under autograd.
+// pass, for empty shapes too (no rows, no outputs, no inputs), for an
+// output over 2^20 elements (its bias rows copied by ATen's parallel copy
+// instead), and the same as under autograd.
 TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
   torch::manual_seed(9);
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     const auto opts = torch::TensorOptions().dtype(dtype);
     for (const auto& [N, T, F, Fout] :
          std::vector<std::array<int64_t, 4>>{{2, 128, 256, 768},
+                                             {2, 520, 16, 1040},
                                              {1, 5, 8, 3},
                                              {3, 1, 16, 1},
                                              {2, 0, 4, 6},
@@ -1823,6 +1825,7 @@ TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
     const auto opts = torch::TensorOptions().dtype(dtype);
     for (const auto& [N, T, F, Fout] :
          std::vector<std::array<int64_t, 4>>{{2, 128, 256, 768},
+                                             {2, 520, 16, 1040},
                                              {1, 5, 8, 3},
                                              {1, 1, 1, 4},
                                              {3, 1, 16, 1},
