@@ -77,9 +77,11 @@ class ProjectionFunction
       grad_x = column_major ? w.t().mm(grad.t()).t() : grad.mm(w);
     }
     if (ctx->needs_input_grad(1)) {
-      // mm_mat2_backward with mat2 = wᵀ, always column-major: (gradᵀ ·
-      // x2d)ᵀ, then transposed back to w's layout by wᵀ's own backward.
-      grad_w = grad.t().mm(x2d);
+      // mm_mat2_backward with mat2 = wᵀ, column-major when w is row-major
+      // (a module's weight): (gradᵀ · x2d)ᵀ, else x2dᵀ · grad; either
+      // transposed back by wᵀ's own backward.
+      const bool column_major = w.stride(1) == 1 && w.stride(0) == w.size(1);
+      grad_w = column_major ? grad.t().mm(x2d) : x2d.t().mm(grad).t();
     }
     if (ctx->needs_input_grad(2)) {
       grad_b = at::sum_to(grad, at::IntArrayRef{grad.size(1)});

@@ -1837,13 +1837,22 @@ TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
         const auto x0 = seq_first
                             ? torch::randn({T, N, F}, opts).transpose(0, 1)
                             : torch::randn({N, T, F}, opts);
-        for (int wants = 1; wants < 8; ++wants) {
-          // Leaves, then the rows of a packed weight as the modules pass them.
+        for (int wants = 1; wants < 16; ++wants) {
+          // Leaves, then the rows of a packed weight as the modules pass them;
+          // with bit 8, a weight given transposed (column-major).
+          if ((wants & 7) == 0) {
+            continue;  // no gradient asked for
+          }
+          const bool transposed_w = (wants & 8) != 0;
           auto run = [&](bool reference) {
             auto x = x0.detach().clone().requires_grad_((wants & 1) != 0);
-            auto pw = packed_w.clone().requires_grad_((wants & 2) != 0);
+            auto pw =
+                transposed_w
+                    ? packed_w.t().contiguous().requires_grad_((wants & 2) != 0)
+                    : packed_w.clone().requires_grad_((wants & 2) != 0);
             auto pb = b0.clone().requires_grad_((wants & 4) != 0);
-            const auto w = pw.narrow(0, 1, Fout);
+            const auto w = transposed_w ? pw.t().narrow(0, 1, Fout)
+                                        : pw.narrow(0, 1, Fout);
             const auto b = pb.narrow(0, 2, Fout);
             // A seq-first x is projected in its own (T, N) row order, the
             // order the weight's and bias's gradients sum over.
