@@ -1762,6 +1762,14 @@ TEST(BlockedAttention, RecomputedWeightsGiveKeptGradientsBitForBit) {
   }
 }
 
+// The (N, T, F, F') shapes both projection tests take: a module's, one
+// whose output passes 2^20 elements, small and one-row ones (a single
+// feature makes a column-major x), and empty ones (no rows, no outputs, no
+// inputs).
+const std::vector<std::array<int64_t, 4>> kProjectionShapes{
+    {2, 128, 256, 768}, {2, 520, 16, 1040}, {1, 5, 8, 3}, {1, 1, 1, 4},
+    {3, 1, 16, 1},      {2, 0, 4, 6},       {2, 3, 4, 0}, {2, 3, 0, 5}};
+
 // detail::project without a gradient to record copies the bias rows itself
 // and makes addmm's BLAS call (gemm_matrix): its results must be at::addmm's
 // bit for bit, in both layouts it takes (batch-first, and the (N, T, F) view
@@ -1773,14 +1781,7 @@ TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
   torch::manual_seed(9);
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     const auto opts = torch::TensorOptions().dtype(dtype);
-    for (const auto& [N, T, F, Fout] :
-         std::vector<std::array<int64_t, 4>>{{2, 128, 256, 768},
-                                             {2, 520, 16, 1040},
-                                             {1, 5, 8, 3},
-                                             {3, 1, 16, 1},
-                                             {2, 0, 4, 6},
-                                             {2, 3, 4, 0},
-                                             {2, 3, 0, 5}}) {
+    for (const auto& [N, T, F, Fout] : kProjectionShapes) {
       const auto packed_w = torch::randn({Fout + 2, F}, opts);
       const auto w = packed_w.narrow(0, 1, Fout);  // rows of a packed weight
       const auto b = torch::randn({Fout + 2}, opts).narrow(0, 2, Fout);
@@ -1823,13 +1824,7 @@ TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
   torch::manual_seed(10);
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     const auto opts = torch::TensorOptions().dtype(dtype);
-    for (const auto& [N, T, F, Fout] :
-         std::vector<std::array<int64_t, 4>>{{2, 128, 256, 768},
-                                             {2, 520, 16, 1040},
-                                             {1, 5, 8, 3},
-                                             {1, 1, 1, 4},
-                                             {3, 1, 16, 1},
-                                             {2, 0, 4, 6}}) {
+    for (const auto& [N, T, F, Fout] : kProjectionShapes) {
       const auto packed_w = torch::randn({Fout + 2, F}, opts);
       const auto b0 = torch::randn({Fout + 2}, opts);
       const auto upstream = torch::randn({Fout, T, N}, opts);
@@ -1855,11 +1850,12 @@ TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
                                         : pw.narrow(0, 1, Fout);
             const auto b = pb.narrow(0, 2, Fout);
             // A seq-first x is projected in its own (T, N) row order, the
-            // order the weight's and bias's gradients sum over.
+            // order the weight's and bias's gradients sum over (an empty
+            // one counts as contiguous and keeps the (N, T) order).
             torch::Tensor y;
             if (!reference) {
               y = mha::detail::project(x, w, b);
-            } else if (seq_first) {
+            } else if (seq_first && !x.is_contiguous()) {
               const auto rows = x.transpose(0, 1).reshape({T * N, F});
               y = at::addmm(b, rows, w.t()).view({T, N, Fout}).transpose(0, 1);
             } else {
