@@ -1818,8 +1818,9 @@ TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
 
 // With a gradient to record, project runs its own autograd function; its
 // gradients must be those of at::addmm's autograd (AddmmBackward0) bit for
-// bit, for every subset of x, w and b that asks for one, whatever layout the
-// upstream gradient has.
+// bit, for every subset of x, w and b that asks for one, with a row-major
+// or a transposed weight, whatever layout the upstream gradient has, and to
+// second order.
 TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
   torch::manual_seed(10);
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
