@@ -251,9 +251,10 @@ int64_t for_each_item(int64_t items, int64_t scratch_elements,
                       bool spread = true);
 
 /// Whether blocked_attention spreads the work items of a call of `scores`
-/// scores (N·H·L·S) over ATen's threads: above kSpreadScores
-/// (blocked_attention.h), or always while a SpreadEveryCall lives.
-bool spread_items(int64_t scores);
+/// scores (N·H·L·S) and `keys` keys (S) over ATen's threads: above
+/// kSpreadScores, unless keys <= kInOrderKeys where OpenBLAS's idle workers
+/// spin (both in blocked_attention.h); always while a SpreadEveryCall lives.
+bool spread_items(int64_t scores, int64_t keys);
 
 /// For tests: while an instance lives (on any thread), blocked_attention
 /// spreads the work items of calls of every size, so that small inputs cover

@@ -8,7 +8,9 @@
 #include <dlfcn.h>
 
 #include <condition_variable>
+#include <cstdio>
 #include <mutex>
+#include <tuple>
 
 namespace mha::detail {
 
@@ -142,6 +144,44 @@ std::optional<OpenBlasInfo> openblas_info() {
     info.config = blas.get_config();
   }
   return info;
+}
+
+std::optional<OpenBlasVersion> parse_openblas_version(
+    const std::string& config) {
+  OpenBlasVersion v;
+  char after = 0;
+  // The patch number may be followed by ".dev", a space or nothing.
+  const int read = std::sscanf(config.c_str(), "OpenBLAS %d.%d.%d%c", &v.major,
+                               &v.minor, &v.patch, &after);
+  if (read < 3 || v.major < 0 || v.minor < 0 || v.patch < 0 ||
+      (read == 4 && after != ' ' && after != '.' && after != '-')) {
+    return std::nullopt;
+  }
+  return v;
+}
+
+bool spinning_workers(const OpenBlasVersion& version, bool x86_64) {
+  const auto number = [](const OpenBlasVersion& v) {
+    return std::tuple(v.major, v.minor, v.patch);
+  };
+  return x86_64 && number(version) >= number(OpenBlasVersion{0, 3, 27});
+}
+
+bool openblas_workers_spin() {
+  static const bool spin = [] {
+#if defined(__x86_64__) || defined(_M_X64)
+    constexpr bool kX86_64 = true;
+#else
+    constexpr bool kX86_64 = false;
+#endif
+    const auto& blas = OpenBlas::instance();
+    if (!blas.pthreads() || blas.get_config == nullptr) {
+      return false;
+    }
+    const auto version = parse_openblas_version(blas.get_config());
+    return version && spinning_workers(*version, kX86_64);
+  }();
+  return spin;
 }
 
 std::string openblas_core() {

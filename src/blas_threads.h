@@ -85,6 +85,33 @@ struct OpenBlasInfo {
 /// lacks openblas_get_config.
 std::optional<OpenBlasInfo> openblas_info();
 
+/// An OpenBLAS release number, as openblas_get_config() begins
+/// ("OpenBLAS 0.3.34 ..." -> {0, 3, 34}).
+struct OpenBlasVersion {
+  int major = 0;
+  int minor = 0;
+  int patch = 0;
+};
+
+/// The release number at the start of an openblas_get_config() string, or
+/// nullopt when `config` does not begin with "OpenBLAS " and three
+/// dot-separated numbers.
+std::optional<OpenBlasVersion> parse_openblas_version(
+    const std::string& config);
+
+/// Whether a pthreads OpenBLAS of `version` keeps its idle workers spinning
+/// on the cores after a call on its own threads (x86-64, 0.3.27 or later)
+/// rather than giving the cores away with sched_yield (before 0.3.27).
+/// Source: OpenMathLib/OpenBLAS commit 07b1c0bc1, "Stop using sched_yield on
+/// non-Windows x86_64" (common.h's YIELDING, used by the idle loop in
+/// driver/others/blas_server.c), first released in v0.3.27. A worker sleeps
+/// only after OPENBLAS_THREAD_TIMEOUT, read when the library loads.
+bool spinning_workers(const OpenBlasVersion& version, bool x86_64);
+
+/// spinning_workers() for the loaded BLAS: true only for OpenBLAS's pthreads
+/// build whose version says so, on an x86-64 build of mha. Looked up once.
+bool openblas_workers_spin();
+
 /// The kernel set OpenBLAS chose ("SkylakeX", "Haswell", "Prescott", ...,
 /// from openblas_get_corename), or "" when OpenBLAS is not loaded.
 std::string openblas_core();

@@ -490,8 +490,14 @@ std::atomic<int> spread_every_call{0};  // live SpreadEveryCall instances
 SpreadEveryCall::SpreadEveryCall() { ++spread_every_call; }
 SpreadEveryCall::~SpreadEveryCall() { --spread_every_call; }
 
-bool spread_items(int64_t scores) {
-  return scores > kSpreadScores || spread_every_call.load() > 0;
+bool spread_items(int64_t scores, int64_t keys) {
+  if (spread_every_call.load() > 0) {
+    return true;
+  }
+  if (scores <= kSpreadScores) {
+    return false;
+  }
+  return keys > kInOrderKeys || !openblas_workers_spin();
 }
 
 int64_t for_each_item(int64_t items, int64_t scratch_elements,
@@ -561,7 +567,7 @@ AttentionResult blocked_attention(
   const int64_t scores = score_count(query, S);
   spec.one_block =
       block_rows <= 0 && scores <= kOneBlockScores && L <= kOneBlockRows;
-  spec.spread = spread_items(scores);
+  spec.spread = spread_items(scores, S);
   if (kept == KeptWeights::kAuto) {
     // Kept while small (at most kOneBlockScores, 4 MiB of float32), so that
     // backward skips each block's scores GEMM and softmax. A block that

@@ -1293,23 +1293,29 @@ TEST(ForEachItem, VisitsEveryItemOnceOnTheIntraOpThreads) {
 
 // Small calls (at most kSpreadScores scores) are not spread: their items run
 // in order on the calling thread, BLAS at its own thread count, even with
-// several intra-op threads; SpreadEveryCall (tests) spreads every call.
+// several intra-op threads; nor are calls of at most kInOrderKeys keys where
+// OpenBLAS's idle workers spin. SpreadEveryCall (tests) spreads every call.
 TEST(ForEachItem, SmallCallsRunInOrderOnTheCallingThread) {
+  using mha::detail::kInOrderKeys;
   using mha::detail::kSpreadScores;
   using mha::detail::spread_items;
-  EXPECT_FALSE(spread_items(1));
-  EXPECT_FALSE(spread_items(kSpreadScores));
-  EXPECT_TRUE(spread_items(kSpreadScores + 1));
+  const bool spin = mha::detail::openblas_workers_spin();
+  EXPECT_FALSE(spread_items(1, 1));
+  EXPECT_FALSE(spread_items(kSpreadScores, kInOrderKeys + 1));
+  EXPECT_TRUE(spread_items(kSpreadScores + 1, kInOrderKeys + 1));
+  EXPECT_EQ(spread_items(kSpreadScores + 1, kInOrderKeys), !spin);
+  EXPECT_EQ(spread_items(kSpreadScores * 64, 1), !spin);
   {
     const mha::detail::SpreadEveryCall spread;
-    EXPECT_TRUE(spread_items(1));
+    EXPECT_TRUE(spread_items(1, 1));
+    EXPECT_TRUE(spread_items(kSpreadScores + 1, kInOrderKeys));
     {
       const mha::detail::SpreadEveryCall overlapping;
-      EXPECT_TRUE(spread_items(kSpreadScores));
+      EXPECT_TRUE(spread_items(kSpreadScores, 1));
     }
-    EXPECT_TRUE(spread_items(1));
+    EXPECT_TRUE(spread_items(1, 1));
   }
-  EXPECT_FALSE(spread_items(kSpreadScores));
+  EXPECT_FALSE(spread_items(kSpreadScores, 1));
 
   const int saved = at::get_num_threads();
   at::set_num_threads(2);
@@ -1331,6 +1337,51 @@ TEST(ForEachItem, SmallCallsRunInOrderOnTheCallingThread) {
   EXPECT_EQ(order, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6}));
   EXPECT_EQ(thread_ids, std::set<std::thread::id>{std::this_thread::get_id()});
   EXPECT_EQ(blas_inside, std::set<int>{blas_before});
+}
+
+// The release number comes from openblas_get_config()'s opening words, and
+// only x86-64 builds from 0.3.27 on (OpenBLAS commit 07b1c0bc1) count as
+// keeping their idle workers spinning.
+TEST(OpenBlasVersion, ParsedFromTheBuildStringAndCompared) {
+  using mha::detail::parse_openblas_version;
+  using mha::detail::spinning_workers;
+  const auto v21 = parse_openblas_version(
+      "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY SkylakeX "
+      "MAX_THREADS=64");
+  ASSERT_TRUE(v21.has_value());
+  EXPECT_EQ(v21->major, 0);
+  EXPECT_EQ(v21->minor, 3);
+  EXPECT_EQ(v21->patch, 21);
+  const auto dev = parse_openblas_version("OpenBLAS 0.3.27.dev DYNAMIC_ARCH");
+  ASSERT_TRUE(dev.has_value());
+  EXPECT_EQ(dev->patch, 27);
+  const auto bare = parse_openblas_version("OpenBLAS 1.0.0");
+  ASSERT_TRUE(bare.has_value());
+  EXPECT_EQ(bare->major, 1);
+  for (const char* bad : {"", "OpenBLAS", "OpenBLAS 0.3", "BLIS 0.3.27",
+                          "OpenBLAS 0.3.27x", "OpenBLAS -1.3.27"}) {
+    EXPECT_FALSE(parse_openblas_version(bad).has_value()) << "'" << bad << "'";
+  }
+
+  EXPECT_FALSE(spinning_workers({0, 3, 21}, true));
+  EXPECT_FALSE(spinning_workers({0, 3, 26}, true));
+  EXPECT_TRUE(spinning_workers({0, 3, 27}, true));
+  EXPECT_TRUE(spinning_workers({0, 3, 34}, true));
+  EXPECT_TRUE(spinning_workers({0, 4, 0}, true));
+  EXPECT_TRUE(spinning_workers({1, 0, 0}, true));
+  EXPECT_FALSE(spinning_workers({0, 3, 34}, false));
+
+  // The loaded library: what its build string says.
+  const auto info = mha::detail::openblas_info();
+  if (info && !info->config.empty()) {
+    const auto loaded = parse_openblas_version(info->config);
+    ASSERT_TRUE(loaded.has_value()) << info->config;
+    if (!spinning_workers(*loaded, true)) {
+      EXPECT_FALSE(mha::detail::openblas_workers_spin()) << info->config;
+    }
+  } else {
+    EXPECT_FALSE(mha::detail::openblas_workers_spin());
+  }
 }
 
 // Overlapping SingleThreadedBlas scopes: the last one restores the count
