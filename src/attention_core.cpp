@@ -178,15 +178,18 @@ AttentionPath choose_path(const AttentionCall& call) {
   // 1. blocked, for grouped key/value heads: it reads key/value head
   //    h / (H / Hkv) in place, where the others need each copied per query
   //    head (repeat_kv); and for small and large calls
-  //    (kBlockedFirstScores, kBlockedLargeScores), where it was measured
-  //    faster than the fused kernel;
+  //    (kBlockedFirstScores, kBlockedLargeScores), and for calls of at
+  //    most kInOrderKeys keys where BLAS's workers spin, where it was
+  //    measured faster than the fused kernel;
   // 2. fused: LibTorch's kernel, the fastest where it meets the semantics
   //    (on CPU: at the sizes between those two);
   // 3. blocked;
   // 4. explicit, which takes every input.
   const bool small = call.scores <= kBlockedFirstScores;
   const bool large = call.scores >= kBlockedLargeScores;
-  if ((call.grouped || small || large) && blocked_applies(call)) {
+  const bool in_order =
+      call.blas_workers_spin && call.key_length <= kInOrderKeys;
+  if ((call.grouped || small || large || in_order) && blocked_applies(call)) {
     return AttentionPath::kBlocked;
   }
   if (fused_applies(call)) {

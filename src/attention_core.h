@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 
+#include "blas_threads.h"
 #include "mha/version.h"
 
 namespace mha::detail {
@@ -119,6 +120,9 @@ struct AttentionCall {
   /// (has_fused_sdpa(), LibTorch >= 2.5); a field so that the choice can be
   /// shown for every version, and turned off for a recomputation.
   bool fused_available = has_fused_sdpa();
+  /// The loaded BLAS keeps its idle workers spinning after a call
+  /// (openblas_workers_spin(), blas_threads.h); a field for the same reasons.
+  bool blas_workers_spin = openblas_workers_spin();
 
   /// The properties of attention_core's arguments.
   static AttentionCall of(const torch::Tensor& query, const torch::Tensor& key,
@@ -148,6 +152,29 @@ constexpr int64_t kBlockedFirstScores = int64_t{1} << 20;
 /// 1.13-1.15 against 1.01-1.03), so those calls keep the fused kernel.
 constexpr int64_t kBlockedLargeScores = int64_t{1} << 25;
 
+/// Where the loaded OpenBLAS keeps its idle workers spinning after a call
+/// (openblas_workers_spin, blas_threads.h: 0.3.27 or later on x86-64), calls
+/// of at most kInOrderKeys keys (S) take the blocked path where it applies
+/// (choose_path), and run their items in order whatever their size
+/// (spread_items), each GEMM on BLAS's own threads. Why: after the
+/// in-projection's GEMM that worker keeps one of the cores busy for tens of
+/// milliseconds, and a loop over ATen's threads runs at about half speed until
+/// it stops; in order, the worker does the GEMMs' work instead. Where the core
+/// takes much longer than that spell, ATen's threads win once the worker
+/// sleeps. Measured (mha-bench, LibTorch 2.14.1, OpenBLAS 0.3.34, 2 threads,
+/// three alternating runs; docs/speed.md): mha / torch::nn spread -> in order
+/// at (4, 1024, 512, 8) forward 0.55-0.61 -> 0.46, forward+backward 0.70-0.73
+/// -> 0.63-0.66; at (8, 256, 512, 8) with weights 0.87-0.88 -> 0.80-0.81.
+/// At S = 2048 in order lost ((4, 2048, 512, 8) forward 351 -> 374-379 ms),
+/// and (1, 8192, 256, 4) lost in every mode. Between kBlockedFirstScores
+/// and kBlockedLargeScores, the blocked path in order against the fused
+/// kernel (five shapes of 4 Mi to 16 Mi scores, five modes, two alternating
+/// runs): mha's time 1-20 % lower in 24 of 25 cells ((8, 512, 512, 8)
+/// forward 85-94 -> 76-79 ms, mha / projections+SDPA 1.01-1.12 -> 0.92-0.93);
+/// one cell 3 % higher, (1, 1024, 256, 4) forward+backward (0.96 -> 0.99-1.00
+/// of projections+SDPA).
+constexpr int64_t kInOrderKeys = 1024;
+
 /// The fused kernel applies: built in (LibTorch >= 2.5), no weights asked
 /// for (it returns none), and no position limits or bias beyond top-left
 /// causal (it takes only is_causal).
@@ -158,9 +185,10 @@ bool fused_applies(const AttentionCall& call);
 bool blocked_applies(const AttentionCall& call);
 
 /// The path attention_core takes: the first that applies of
-/// 1. blocked, when key/value heads are grouped (read in place there) or
-/// the call has at most kBlockedFirstScores or at least kBlockedLargeScores
-/// scores; 2. fused; 3. blocked; 4. explicit.
+/// 1. blocked, when key/value heads are grouped (read in place there), the
+/// call has at most kBlockedFirstScores or at least kBlockedLargeScores
+/// scores, or at most kInOrderKeys keys where BLAS's workers spin;
+/// 2. fused; 3. blocked; 4. explicit.
 /// One exception depends on data, not on the call: on CPU a fused result
 /// holding NaN (a score that overflowed to +inf at a blocked key) is
 /// recomputed on the path chosen with fused_available = false.

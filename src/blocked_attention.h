@@ -106,22 +106,6 @@ constexpr int64_t kOneBlockScores = int64_t{1} << 20;
 /// torch::nn's time in order against 0.37 spread.
 constexpr int64_t kSpreadScores = int64_t{1} << 20;
 
-/// Where the loaded OpenBLAS keeps its idle workers spinning after a call
-/// (openblas_workers_spin, blas_threads.h: 0.3.27 or later on x86-64), calls
-/// of at most kInOrderKeys keys (S) run their items in order whatever their
-/// size, each GEMM on BLAS's own threads. Why: after the in-projection's
-/// GEMM that worker keeps one of the cores busy for tens of milliseconds, and
-/// a loop over ATen's threads runs at about half speed until it stops; in
-/// order, the worker does the GEMMs' work instead. Where the core takes much
-/// longer than that spell, ATen's threads win once the worker sleeps.
-/// Measured (mha-bench, LibTorch 2.14.1, OpenBLAS 0.3.34, 2 threads, three
-/// alternating runs; docs/speed.md): mha / torch::nn spread -> in order at
-/// (4, 1024, 512, 8) forward 0.55-0.61 -> 0.46, forward+backward 0.70-0.73
-/// -> 0.63-0.66; at (8, 256, 512, 8) with weights 0.87-0.88 -> 0.80-0.81.
-/// At S = 2048 in order lost ((4, 2048, 512, 8) forward 351 -> 374-379 ms),
-/// and (1, 8192, 256, 4) lost in every mode.
-constexpr int64_t kInOrderKeys = 1024;
-
 /// In place on p (..., rows, cols): the columns outside each row's `limits`
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes
 /// and CPUs without fused_softmax_rows).

@@ -1501,11 +1501,16 @@ std::vector<PathRow> path_rows() {
     AttentionCall c;  // CPU float32 4-D, no weights, no dropout
     c.query_length = c.key_length = 2048;
     c.scores = 2048 * 2048;  // N = H = 1
+    c.blas_workers_spin = false;
     configure(c);
     return c;
   };
   auto small = [](AttentionCall& c) {
     c.scores = mha::detail::kBlockedFirstScores;
+  };
+  auto in_order_keys = [](AttentionCall& c) {  // a mid-sized call
+    c.key_length = mha::detail::kInOrderKeys;
+    c.scores = 2048 * c.key_length;
   };
   return {
       {"cpu f32", call([](auto&) {}), "blocked", "fused"},
@@ -1519,6 +1524,37 @@ std::vector<PathRow> path_rows() {
       {"cpu f32 large - 1",
        call([](auto& c) { c.scores = mha::detail::kBlockedLargeScores - 1; }),
        "blocked", "fused"},
+      {"cpu f32 S = kInOrderKeys", call(in_order_keys), "blocked", "fused"},
+      {"cpu f32 S = kInOrderKeys, BLAS workers spin", call([&](auto& c) {
+         in_order_keys(c);
+         c.blas_workers_spin = true;
+       }),
+       "blocked", "blocked"},
+      {"cpu f32 S = kInOrderKeys + 1, BLAS workers spin", call([](auto& c) {
+         c.key_length = mha::detail::kInOrderKeys + 1;
+         c.scores = 2048 * c.key_length;
+         c.blas_workers_spin = true;
+       }),
+       "blocked", "fused"},
+      {"cpu f16 S = kInOrderKeys, BLAS workers spin", call([&](auto& c) {
+         in_order_keys(c);
+         c.blas_workers_spin = true;
+         c.dtype = torch::kFloat16;
+       }),
+       "explicit", "fused"},
+      {"cpu f32 S = kInOrderKeys, dropout, BLAS workers spin",
+       call([&](auto& c) {
+         in_order_keys(c);
+         c.blas_workers_spin = true;
+         c.dropout_p = 0.1;
+       }),
+       "explicit", "fused"},
+      {"cuda f32 S = kInOrderKeys, BLAS workers spin", call([&](auto& c) {
+         in_order_keys(c);
+         c.blas_workers_spin = true;
+         c.device = torch::kCUDA;
+       }),
+       "explicit", "fused"},
       {"cpu f64 large", call([](auto& c) {
          c.scores = mha::detail::kBlockedLargeScores;
          c.dtype = torch::kFloat64;
@@ -1648,13 +1684,17 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   using mha::detail::last_attention_path;
   const bool fused = mha::has_fused_sdpa();
   EXPECT_EQ(AttentionCall().fused_available, fused);
+  const bool spin = mha::detail::openblas_workers_spin();
+  EXPECT_EQ(AttentionCall().blas_workers_spin, spin);
   auto q = torch::randn({2, 4, 5, 8});
-  // Just over kBlockedFirstScores scores: a mid-sized call; and exactly
-  // kBlockedLargeScores (4096 x 8192): a large one.
+  // Just over kBlockedFirstScores scores: a mid-sized call (also with
+  // kInOrderKeys keys); and exactly kBlockedLargeScores (4096 x 8192): a
+  // large one.
   auto q_mid = torch::randn({1, 1, 1025, 8});
   auto q_large = torch::randn({1, 1, 4096, 8});
   auto k_large = torch::randn({1, 1, 8192, 8});
   static_assert(4096 * 8192 == mha::detail::kBlockedLargeScores);
+  static_assert(mha::detail::kInOrderKeys == 1024);
   struct Call {
     const char* what;
     torch::Tensor query, key;
@@ -1666,6 +1706,8 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
       {"plain, small", q, q, false, 0.0, "blocked"},
       {"plain, mid-sized", q_mid, q_mid, false, 0.0,
        fused ? "fused" : "blocked"},
+      {"plain, mid-sized, kInOrderKeys keys", q_mid, q_mid.narrow(2, 0, 1024),
+       false, 0.0, fused && !spin ? "fused" : "blocked"},
       {"plain, large", q_large, k_large, false, 0.0, "blocked"},
       {"weights", q, q, true, 0.0, "blocked"},
       {"dropout", q, q, false, 0.5, fused ? "fused" : "explicit"},
