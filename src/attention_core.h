@@ -153,7 +153,8 @@ constexpr int64_t kBlockedFirstScores = int64_t{1} << 20;
 constexpr int64_t kBlockedLargeScores = int64_t{1} << 25;
 
 /// Where the loaded OpenBLAS keeps its idle workers spinning after a call
-/// (openblas_workers_spin, blas_threads.h: 0.3.27 or later on x86-64), calls
+/// (openblas_workers_spin, blas_threads.h: 0.3.27 or later on x86-64, more
+/// than one thread), calls
 /// of at most kInOrderKeys keys (S) take the blocked path where it applies
 /// (choose_path), and run their items in order whatever their size
 /// (spread_items), each GEMM on BLAS's own threads. Why: after the

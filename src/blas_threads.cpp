@@ -168,7 +168,7 @@ bool spinning_workers(const OpenBlasVersion& version, bool x86_64) {
 }
 
 bool openblas_workers_spin() {
-  static const bool spin = [] {
+  static const bool spinning_build = [] {
 #if defined(__x86_64__) || defined(_M_X64)
     constexpr bool kX86_64 = true;
 #else
@@ -181,7 +181,8 @@ bool openblas_workers_spin() {
     const auto version = parse_openblas_version(blas.get_config());
     return version && spinning_workers(*version, kX86_64);
   }();
-  return spin;
+  // With one thread OpenBLAS runs every call on the caller: no worker.
+  return spinning_build && OpenBlas::instance().get_num_threads() > 1;
 }
 
 std::string openblas_core() {

@@ -109,7 +109,10 @@ std::optional<OpenBlasVersion> parse_openblas_version(
 bool spinning_workers(const OpenBlasVersion& version, bool x86_64);
 
 /// spinning_workers() for the loaded BLAS: true only for OpenBLAS's pthreads
-/// build whose version says so, on an x86-64 build of mha. Looked up once.
+/// build whose version says so, on an x86-64 build of mha (looked up once),
+/// while it runs more than one thread (with one, say OPENBLAS_NUM_THREADS=1,
+/// it has no worker, and mha keeps spreading its large calls over ATen's
+/// threads).
 bool openblas_workers_spin();
 
 /// The kernel set OpenBLAS chose ("SkylakeX", "Haswell", "Prescott", ...,

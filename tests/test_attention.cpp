@@ -1382,6 +1382,15 @@ TEST(OpenBlasVersion, ParsedFromTheBuildStringAndCompared) {
   } else {
     EXPECT_FALSE(mha::detail::openblas_workers_spin());
   }
+  // With one OpenBLAS thread there is no worker to spin.
+  const int threads = mha::detail::openblas_threads();
+  if (threads > 0) {
+    mha::detail::set_openblas_threads(1);
+    EXPECT_FALSE(mha::detail::openblas_workers_spin());
+    mha::detail::AttentionCall call;
+    EXPECT_FALSE(call.blas_workers_spin);
+    mha::detail::set_openblas_threads(threads);
+  }
 }
 
 // Overlapping SingleThreadedBlas scopes: the last one restores the count
