@@ -154,10 +154,10 @@ constexpr int64_t kBlockedLargeScores = int64_t{1} << 25;
 
 /// Where the loaded OpenBLAS keeps its idle workers spinning after a call
 /// (openblas_workers_spin, blas_threads.h: 0.3.27 or later on x86-64, more
-/// than one thread), calls
-/// of at most kInOrderKeys keys (S) take the blocked path where it applies
-/// (choose_path), and run their items in order whatever their size
-/// (spread_items), each GEMM on BLAS's own threads. Why: after the
+/// than one thread), calls of at most kInOrderKeys keys (S) take the
+/// blocked path where it applies (choose_path), and run their items in
+/// order whatever their size (spread_items), each GEMM on BLAS's own
+/// threads. Why: after the
 /// in-projection's GEMM that worker keeps one of the cores busy for tens of
 /// milliseconds, and a loop over ATen's threads runs at about half speed until
 /// it stops; in order, the worker does the GEMMs' work instead. Where the core
@@ -281,8 +281,8 @@ int64_t for_each_item(int64_t items, int64_t scratch_elements,
 
 /// Whether blocked_attention spreads the work items of a call of `scores`
 /// scores (N·H·L·S) and `keys` keys (S) over ATen's threads: above
-/// kSpreadScores, unless keys <= kInOrderKeys where OpenBLAS's idle workers
-/// spin (both in blocked_attention.h); always while a SpreadEveryCall lives.
+/// kSpreadScores (blocked_attention.h), unless keys <= kInOrderKeys (above)
+/// where OpenBLAS's idle workers spin; always while a SpreadEveryCall lives.
 bool spread_items(int64_t scores, int64_t keys);
 
 /// For tests: while an instance lives (on any thread), blocked_attention

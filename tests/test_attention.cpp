@@ -1376,8 +1376,17 @@ TEST(OpenBlasVersion, ParsedFromTheBuildStringAndCompared) {
   if (info && !info->config.empty()) {
     const auto loaded = parse_openblas_version(info->config);
     ASSERT_TRUE(loaded.has_value()) << info->config;
-    if (!spinning_workers(*loaded, true)) {
+#if defined(__x86_64__)
+    constexpr bool kX86_64 = true;
+#else
+    constexpr bool kX86_64 = false;
+#endif
+    if (!spinning_workers(*loaded, kX86_64)) {
       EXPECT_FALSE(mha::detail::openblas_workers_spin()) << info->config;
+    } else if (mha::detail::SingleThreadedBlas::available() &&
+               mha::detail::openblas_threads() > 1) {
+      // A pthreads build (a sequential one runs one thread) with workers.
+      EXPECT_TRUE(mha::detail::openblas_workers_spin()) << info->config;
     }
   } else {
     EXPECT_FALSE(mha::detail::openblas_workers_spin());
