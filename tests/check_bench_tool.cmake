@@ -64,6 +64,11 @@ foreach(key cpu_model blas libtorch intra_op_threads omp_wait_policy
     message(FATAL_ERROR "environment.${key} is empty")
   endif()
 endforeach()
+string(JSON spin_type TYPE "${json}" environment openblas_workers_spin)
+if(NOT spin_type STREQUAL "BOOLEAN")
+  message(FATAL_ERROR "environment.openblas_workers_spin is ${spin_type}, "
+          "expected a boolean")
+endif()
 string(JSON threads GET "${json}" environment intra_op_threads)
 string(JSON wait_policy GET "${json}" environment omp_wait_policy)
 string(JSON gemm GET "${json}" environment gemm gflops)

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "attention_core.h"  // kInOrderKeys
 #include "bench_tool.h"
 #include "blas_threads.h"
 #include "mha/version.h"
@@ -375,6 +376,7 @@ Environment read_environment(const Settings& settings,
   env.omp_threads = mha::tools::env_or_unset("OMP_NUM_THREADS");
   env.blas_threads_env = mha::tools::env_or_unset("OPENBLAS_NUM_THREADS");
   env.openblas_core = mha::detail::openblas_core();
+  env.openblas_workers_spin = mha::detail::openblas_workers_spin();
   env.coretype = mha::tools::env_or_unset("OPENBLAS_CORETYPE");
   env.memory_text =
       settings.memory == MemoryMethod::kClearRefs
@@ -405,12 +407,18 @@ void print_environment(Environment& env, const Args& args,
       env.openblas_config
           ? fmt::format(
                 " ({}, {} threads, kernels {}; "
-                "OPENBLAS_CORETYPE {}{})",
+                "OPENBLAS_CORETYPE {}{}{})",
                 *env.openblas_config, env.openblas_threads, env.openblas_core,
                 env.coretype,
                 env.coretype == "unset"
                     ? ""
-                    : fmt::format(" ({})", source(env, "OPENBLAS_CORETYPE")))
+                    : fmt::format(" ({})", source(env, "OPENBLAS_CORETYPE")),
+                env.openblas_workers_spin
+                    ? fmt::format(
+                          "; idle workers spin: mha runs calls of <= {} keys "
+                          "in order on the blocked path",
+                          mha::detail::kInOrderKeys)
+                    : "")
           : "");
   fmt::print("LibTorch:  {}, device {}, dtype {}\n", mha::torch_version(),
              args.device_name, args.dtype_name);
@@ -620,6 +628,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
       {"omp_wait_policy", env.wait_policy},
       {"omp_wait_policy_source", source(env, "OMP_WAIT_POLICY")},
       {"openblas_core", env.openblas_core},
+      {"openblas_workers_spin", env.openblas_workers_spin},
       {"openblas_coretype_env", env.coretype},
       {"environment_set_by_mha_bench", env.runtime_note},
       {"omp_num_threads_env", env.omp_threads},

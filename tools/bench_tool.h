@@ -68,6 +68,9 @@ struct Environment {
   std::string openblas_core, coretype;
   std::optional<std::string> openblas_config;  ///< nullopt: no OpenBLAS
   int openblas_threads = 0;
+  /// mha::detail::openblas_workers_spin(): calls of at most kInOrderKeys
+  /// keys run in order and take the blocked path (src/attention_core.h)
+  bool openblas_workers_spin = false;
   std::string memory_text, reps_text;
   Gemm gemm;  ///< set by print_environment
 };
