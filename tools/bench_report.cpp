@@ -413,7 +413,7 @@ void print_environment(Environment& env, const Args& args,
                 env.coretype == "unset"
                     ? ""
                     : fmt::format(" ({})", source(env, "OPENBLAS_CORETYPE")),
-                env.openblas_workers_spin
+                env.openblas_workers_spin && args.device_name == "cpu"
                     ? fmt::format(
                           "; idle workers spin: mha runs calls of <= {} keys "
                           "in order on the blocked path",
