@@ -69,19 +69,21 @@ class ProjectionFunction
     const auto &x2d = saved[0], &w = saved[1];
     const auto& grad = grads[0];  // (rows, F')
     torch::Tensor grad_x, grad_w, grad_b;
+    // The layout test both mm_*_backward functions make on the operand
+    // whose gradient they compute.
+    const auto column_major = [](const torch::Tensor& m) {
+      return m.stride(0) == 1 && m.stride(1) == m.size(0);
+    };
     if (ctx->needs_input_grad(0)) {
       // mm_mat1_backward with mat2 = wᵀ: a column-major x2d (one row of one
       // feature) takes the transposed product.
-      const bool column_major =
-          x2d.stride(0) == 1 && x2d.stride(1) == x2d.size(0);
-      grad_x = column_major ? w.t().mm(grad.t()).t() : grad.mm(w);
+      grad_x = column_major(x2d) ? w.t().mm(grad.t()).t() : grad.mm(w);
     }
     if (ctx->needs_input_grad(1)) {
       // mm_mat2_backward with mat2 = wᵀ, column-major when w is row-major
       // (a module's weight): (gradᵀ · x2d)ᵀ, else x2dᵀ · grad; either
       // transposed back by wᵀ's own backward.
-      const bool column_major = w.stride(1) == 1 && w.stride(0) == w.size(1);
-      grad_w = column_major ? grad.t().mm(x2d) : x2d.t().mm(grad).t();
+      grad_w = column_major(w.t()) ? grad.t().mm(x2d) : x2d.t().mm(grad).t();
     }
     if (ctx->needs_input_grad(2)) {
       grad_b = at::sum_to(grad, at::IntArrayRef{grad.size(1)});
