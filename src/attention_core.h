@@ -274,10 +274,13 @@ AttentionResult blocked_attention(const torch::Tensor& query,
 /// The caller's thread-local state (grad mode, inference mode) holds on every
 /// thread; an exception in body is rethrown here. Returns the number of
 /// threads used (1: in order on this thread).
+/// With one_omp_thread, items run in order hold the calling thread's OpenMP
+/// thread count at 1 meanwhile (restored after), so that a library on
+/// OpenMP (oneDNN) runs each call of the body on this thread alone.
 int64_t for_each_item(int64_t items, int64_t scratch_elements,
                       const torch::TensorOptions& options,
                       const std::function<void(int64_t, torch::Tensor&)>& body,
-                      bool spread = true);
+                      bool spread = true, bool one_omp_thread = false);
 
 /// Whether blocked_attention spreads the work items of a call of `scores`
 /// scores (N·H·L·S) and `keys` keys (S) over ATen's threads: above

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <string>
 
 namespace mha::detail {
 
@@ -188,6 +189,85 @@ bool gemm_matrix(torch::ScalarType dtype, const StridedMatrix& a,
   auto out = tensor(c);
   at::addmm_out(out, out, tensor(a), tensor(b), beta, alpha);
   return false;
+}
+
+namespace {
+
+// oneDNN's C API (dnnl.h, dnnl_types.h; unchanged from 1.0 to 3.x):
+// dnnl_sgemm returns a dnnl_status_t (0: success); dnnl_version's struct
+// starts with these fields. CPU runtimes (dnnl_config.h): 1 sequential,
+// 2 OpenMP.
+using DnnlSgemm = int (*)(char transa, char transb, int64_t m, int64_t n,
+                          int64_t k, float alpha, const float* a, int64_t lda,
+                          const float* b, int64_t ldb, float beta, float* c,
+                          int64_t ldc);
+struct DnnlVersion {
+  int major, minor, patch;
+  const char* hash;
+  unsigned cpu_runtime;
+};
+using DnnlVersionFn = const DnnlVersion* (*)();
+constexpr unsigned kDnnlRuntimeSequential = 1;
+constexpr unsigned kDnnlRuntimeOpenMp = 2;
+
+struct OneDnn {
+  DnnlSgemm sgemm = nullptr;
+  std::string version;
+
+  static const OneDnn& instance() {
+    static const OneDnn onednn = [] {
+      OneDnn d;
+      // dlsym returns void*; POSIX guarantees the cast to a function pointer.
+      const auto sgemm =
+          reinterpret_cast<DnnlSgemm>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+      const auto version_fn =
+          reinterpret_cast<DnnlVersionFn>(dlsym(RTLD_DEFAULT, "dnnl_version"));
+      const DnnlVersion* v = version_fn != nullptr ? version_fn() : nullptr;
+      if (sgemm == nullptr || v == nullptr ||
+          (v->cpu_runtime != kDnnlRuntimeOpenMp &&
+           v->cpu_runtime != kDnnlRuntimeSequential)) {
+        return d;  // threads mha could not hold to one per call
+      }
+      d.sgemm = sgemm;
+      d.version = "oneDNN " + std::to_string(v->major) + "." +
+                  std::to_string(v->minor) + "." + std::to_string(v->patch);
+      return d;
+    }();
+    return onednn;
+  }
+};
+
+}  // namespace
+
+bool onednn_gemm_available() { return OneDnn::instance().sgemm != nullptr; }
+
+std::string onednn_gemm_version() { return OneDnn::instance().version; }
+
+bool onednn_gemm_matrix(const StridedMatrix& a, const StridedMatrix& b,
+                        double alpha, double beta, const StridedMatrix& c) {
+  TORCH_INTERNAL_ASSERT(a.rows == c.rows && b.cols == c.cols &&
+                        a.cols == b.rows);
+  const auto sgemm = OneDnn::instance().sgemm;
+  const int64_t m = c.rows, n = c.cols, k = a.cols;
+  if (sgemm == nullptr || m == 0 || n == 0 || k == 0) {
+    return false;
+  }
+  // Row-major operands: Operand's column-major view of the transpose.
+  // Its 'N' (unit column stride) is row-major 'N' with leading dim ld.
+  const Operand oa = operand(m, k, a.row_stride, a.col_stride);
+  const Operand ob = operand(k, n, b.row_stride, b.col_stride);
+  const Operand oc = operand(m, n, c.row_stride, c.col_stride);
+  if (!oa.ok || !ob.ok || !oc.ok || oc.trans != 'N') {
+    return false;
+  }
+  const int status =
+      sgemm(oa.trans, ob.trans, m, n, k, static_cast<float>(alpha),
+            static_cast<const float*>(a.data), oa.ld,
+            static_cast<const float*>(b.data), ob.ld, static_cast<float>(beta),
+            static_cast<float*>(c.data), oc.ld);
+  TORCH_CHECK(status == 0, "dnnl_sgemm failed with status ", status, " for ", m,
+              " x ", k, " times ", k, " x ", n);
+  return true;
 }
 
 bool direct_gemm_available(torch::ScalarType dtype) {

@@ -13,7 +13,12 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <utility>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "blas_gemm.h"
 #include "blas_threads.h"
@@ -141,7 +146,7 @@ torch::Tensor mask_block(const torch::Tensor& m, int64_t row0, int64_t rows,
 }
 
 /// Rows [row0, row0 + rows) of matrix (n, h) of a 4-D tensor (N, H, T, F),
-/// for gemm_matrix.
+/// for block_gemm.
 StridedMatrix rows_of(const torch::Tensor& t, int64_t n, int64_t h,
                       int64_t row0, int64_t rows) {
   auto* first = static_cast<char*>(t.data_ptr()) +
@@ -192,6 +197,16 @@ torch::Tensor kept_block_of(const torch::Tensor& kept, int64_t n, int64_t h,
       kept.storage_offset() + ((n * H + h) * L + block.row0) * S + block.col0);
 }
 
+/// c = alpha · a · b + beta · c for one block: through oneDNN where
+/// spec.onednn and it applies, otherwise BLAS's gemm (gemm_matrix).
+void block_gemm(const BlockedSpec& spec, torch::ScalarType dtype,
+                const StridedMatrix& a, const StridedMatrix& b, double alpha,
+                double beta, const StridedMatrix& c) {
+  if (!(spec.onednn && onednn_gemm_matrix(a, b, alpha, beta, c))) {
+    gemm_matrix(dtype, a, b, alpha, beta, c);
+  }
+}
+
 /// Writes into `p` (rows, cols) the attention weights of one block of query
 /// head h (q[n][h]) over key head h_kv (k[n][h_kv]); bias_h: that head's
 /// relative_bias row, or undefined: scaled scores, mask, position bias and
@@ -203,9 +218,9 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
                    const torch::Tensor& bias_h, const BlockedSpec& spec,
                    const Block& block, const bool* empty) {
   // p = scale · q[rows] · k[cols]ᵀ (beta = 0: p's old contents are ignored)
-  gemm_matrix(p.scalar_type(), rows_of(q, n, h, block.row0, block.rows),
-              rows_of(k, n, h_kv, block.col0, block.cols).t(), spec.scale,
-              /*beta=*/0, matrix_of(p));
+  block_gemm(spec, p.scalar_type(), rows_of(q, n, h, block.row0, block.rows),
+             rows_of(k, n, h_kv, block.col0, block.cols).t(), spec.scale,
+             /*beta=*/0, matrix_of(p));
   if (mask.defined()) {
     p.add_(mask_block(mask, block.row0, block.rows, block.col0, block.cols));
     p.masked_fill_(
@@ -305,9 +320,9 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                        : scratch_p;
           block_weights(p, q, k, n, h, h_kv, mask, blocked,
                         bias_row(relative_bias, h), spec, block, empty);
-          gemm_matrix(p.scalar_type(), matrix_of(p),
-                      rows_of(v, n, h_kv, col0, cols), 1, /*beta=*/0,
-                      rows_of(out_nh, n, h, row0, rows));
+          block_gemm(spec, p.scalar_type(), matrix_of(p),
+                     rows_of(v, n, h_kv, col0, cols), 1, /*beta=*/0,
+                     rows_of(out_nh, n, h, row0, rows));
           if (empty != nullptr) {
             // 0 · (a non-finite value) would be NaN: a fully masked row is 0.
             auto o = out_rows();
@@ -326,7 +341,7 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
           }
         }
       },
-      spec.spread);
+      spec.spread, spec.onednn);
   return {out_nh, weights, kept};
 }
 
@@ -399,11 +414,11 @@ BlockedGradients blocked_backward(
             }
             const auto go = rows_of(grad_out, n, h, row0, rows);  // (rows, Dv)
             // dv[cols] += pᵀ · go
-            gemm_matrix(dtype, matrix_of(p).t(), go, 1, /*beta=*/1,
-                        rows_of(dv, n, h_kv, col0, cols));
+            block_gemm(spec, dtype, matrix_of(p).t(), go, 1, /*beta=*/1,
+                       rows_of(dv, n, h_kv, col0, cols));
             // dp = go · v[cols]ᵀ
-            gemm_matrix(dtype, go, rows_of(v, n, h_kv, col0, cols).t(), 1,
-                        /*beta=*/0, matrix_of(dp));
+            block_gemm(spec, dtype, go, rows_of(v, n, h_kv, col0, cols).t(), 1,
+                       /*beta=*/0, matrix_of(dp));
             if (grad_weights.defined()) {
               if (spec.weights == WeightsMode::kPerHead) {
                 dp.add_(grad_weights[n][h]
@@ -425,16 +440,17 @@ BlockedGradients blocked_backward(
                                       ds.view(-1));
             }
             // dq[rows] = scale · ds · k[cols]
-            gemm_matrix(dtype, matrix_of(ds), rows_of(k, n, h_kv, col0, cols),
-                        spec.scale, /*beta=*/0, rows_of(dq, n, h, row0, rows));
+            block_gemm(spec, dtype, matrix_of(ds),
+                       rows_of(k, n, h_kv, col0, cols), spec.scale,
+                       /*beta=*/0, rows_of(dq, n, h, row0, rows));
             // dk[cols] += scale · dsᵀ · q[rows]
-            gemm_matrix(dtype, matrix_of(ds).t(), rows_of(q, n, h, row0, rows),
-                        spec.scale, /*beta=*/1,
-                        rows_of(dk, n, h_kv, col0, cols));
+            block_gemm(spec, dtype, matrix_of(ds).t(),
+                       rows_of(q, n, h, row0, rows), spec.scale, /*beta=*/1,
+                       rows_of(dk, n, h_kv, col0, cols));
           }
         }
       },
-      spec.spread);
+      spec.spread, spec.onednn);
   if (d_bias.defined()) {
     d_bias = d_bias.sum(0);  // (H, L + S - 1)
     if (relative_bias.size(0) == 1) {
@@ -483,6 +499,45 @@ constexpr bool kParallelFor = false;
 constexpr bool kParallelFor = true;
 #endif
 
+// oneDNN's products run on the caller's OpenMP team unless called inside a
+// parallel region: mha holds them to one thread only where ATen's loop is
+// an OpenMP parallel region and this file can set OpenMP's thread count.
+#if AT_PARALLEL_OPENMP && defined(_OPENMP)
+constexpr bool kOneDnnHeldToOneThread = true;
+#else
+constexpr bool kOneDnnHeldToOneThread = false;
+#endif
+
+/// While it lives, the calling thread's OpenMP thread count is 1 (its
+/// OpenMP parallel regions, ATen's loops among them, and oneDNN's calls run
+/// on this thread alone); the count it found is restored after. Does
+/// nothing inside a parallel region, or without OpenMP.
+class OneOmpThread {
+ public:
+  OneOmpThread() {
+#ifdef _OPENMP
+    if (!omp_in_parallel()) {
+      saved_ = omp_get_max_threads();
+      if (saved_ > 1) {
+        omp_set_num_threads(1);
+      }
+    }
+#endif
+  }
+  ~OneOmpThread() {
+#ifdef _OPENMP
+    if (saved_ > 1) {
+      omp_set_num_threads(saved_);
+    }
+#endif
+  }
+  OneOmpThread(const OneOmpThread&) = delete;
+  OneOmpThread& operator=(const OneOmpThread&) = delete;
+
+ private:
+  int saved_ = 0;
+};
+
 namespace {
 std::atomic<int> spread_every_call{0};  // live SpreadEveryCall instances
 }  // namespace
@@ -503,12 +558,16 @@ bool spread_items(int64_t scores, int64_t keys) {
 int64_t for_each_item(int64_t items, int64_t scratch_elements,
                       const torch::TensorOptions& options,
                       const std::function<void(int64_t, torch::Tensor&)>& body,
-                      bool spread) {
+                      bool spread, bool one_omp_thread) {
   const int64_t threads = at::get_num_threads();
   const bool parallel = spread && kParallelFor && threads > 1 &&
                         items >= threads && !at::in_parallel_region() &&
                         SingleThreadedBlas::available();
   if (!parallel) {
+    std::optional<OneOmpThread> one_thread;
+    if (one_omp_thread) {
+      one_thread.emplace();
+    }
     auto scratch = at::empty({scratch_elements}, options);
     for (int64_t item = 0; item < items; ++item) {
       body(item, scratch);
@@ -568,6 +627,13 @@ AttentionResult blocked_attention(
   spec.one_block =
       block_rows <= 0 && scores <= kOneBlockScores && L <= kOneBlockRows;
   spec.spread = spread_items(scores, S);
+  // oneDNN's products where each runs on one core anyway: spread items, and
+  // small calls in order (kSpreadScores). Larger calls in order (where
+  // OpenBLAS's idle workers spin) keep BLAS's gemm on its own threads.
+  spec.onednn = kOneDnnHeldToOneThread && query.is_cpu() &&
+                query.scalar_type() == torch::kFloat32 &&
+                onednn_gemm_available() &&
+                (spec.spread || scores <= kSpreadScores);
   if (kept == KeptWeights::kAuto) {
     // Kept while small (at most kOneBlockScores, 4 MiB of float32), so that
     // backward skips each block's scores GEMM and softmax. A block that

@@ -36,6 +36,11 @@ struct BlockedSpec {
   // calls of at most kSpreadScores scores, which run in order on the
   // calling thread with BLAS's own threads.
   bool spread = true;
+  // The products through oneDNN (onednn_gemm_matrix, blas_gemm.h), each
+  // call on one thread: in ATen's parallel loop, or in order with the
+  // calling thread's OpenMP thread count held at 1. False: BLAS's gemm
+  // (gemm_matrix), on BLAS's own threads where the items run in order.
+  bool onednn = false;
 };
 
 /// What blocked_forward and batched_forward return.

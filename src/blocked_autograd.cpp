@@ -34,6 +34,7 @@ void save_spec(torch::autograd::AutogradContext* ctx, const BlockedSpec& spec) {
   data["keep_weights"] = spec.keep_weights;
   data["one_block"] = spec.one_block;
   data["spread"] = spec.spread;
+  data["onednn"] = spec.onednn;
 }
 
 BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
@@ -55,6 +56,7 @@ BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
   spec.keep_weights = data.at("keep_weights").toBool();
   spec.one_block = data.at("one_block").toBool();
   spec.spread = data.at("spread").toBool();
+  spec.onednn = data.at("onednn").toBool();
   return spec;
 }
 

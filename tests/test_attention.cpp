@@ -1,5 +1,6 @@
 // Tests of mha::scaled_dot_product_attention and mha::ScaledDotProductAttention
 // against plain float64 references written out here.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -2097,6 +2098,132 @@ TEST(GemmMatrix, MatchesAtenAddmmBitForBit) {
       }
     }
   }
+}
+
+// onednn_gemm_matrix (src/blas_gemm.h): the per-block path's float32
+// products through oneDNN's dnnl_sgemm. Not BLAS's bits: each result must be
+// the float64 product's within float32 rounding, for the layouts that path
+// passes (rows of a head, a block's columns transposed, strided output rows;
+// beta 0 over NaN, beta 1 accumulating). Where oneDNN is not loaded it must
+// write nothing and return false.
+TEST(OneDnnGemm, MatchesTheFloat64ProductOverThePathsLayouts) {
+  torch::manual_seed(9);
+  struct Case {
+    int64_t m, k, n;
+  };
+  const std::vector<Case> cases = {{128, 64, 128}, {64, 128, 64}, {1, 64, 96},
+                                   {32, 64, 1},    {7, 1, 9},     {3, 3, 4}};
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  const bool available = mha::detail::onednn_gemm_available();
+  for (const auto& c : cases) {
+    for (const bool a_transposed : {false, true}) {
+      for (const bool b_transposed : {false, true}) {
+        for (const bool strided_c : {false, true}) {
+          for (const double beta : {0.0, 1.0}) {
+            for (const double alpha : {1.0, 0.125}) {
+              auto a = a_transposed ? torch::randn({c.k, c.m}, opts).t()
+                                    : torch::randn({c.m, c.k}, opts);
+              auto b = b_transposed ? torch::randn({c.n, c.k}, opts).t()
+                                    : torch::randn({c.k, c.n}, opts);
+              auto buffer =
+                  beta == 0.0
+                      ? torch::full({c.m, c.n + 5},
+                                    std::numeric_limits<float>::quiet_NaN(),
+                                    opts)
+                      : torch::randn({c.m, c.n + 5}, opts);
+              const auto before = buffer.clone();
+              auto out = strided_c ? buffer.narrow(1, 2, c.n)
+                                   : buffer.narrow(1, 0, c.n).contiguous();
+              const auto c0 = out.clone();
+              const mha::detail::StridedMatrix ma{a.data_ptr(), c.m, c.k,
+                                                  a.stride(0), a.stride(1)};
+              const mha::detail::StridedMatrix mb{b.data_ptr(), c.k, c.n,
+                                                  b.stride(0), b.stride(1)};
+              const mha::detail::StridedMatrix mc{out.data_ptr(), c.m, c.n,
+                                                  out.stride(0), out.stride(1)};
+              SCOPED_TRACE(::testing::Message()
+                           << "(" << c.m << ", " << c.k << ", " << c.n
+                           << ") a_transposed " << a_transposed
+                           << " b_transposed " << b_transposed << " strided_c "
+                           << strided_c << " beta " << beta << " alpha "
+                           << alpha);
+              const bool done =
+                  mha::detail::onednn_gemm_matrix(ma, mb, alpha, beta, mc);
+              EXPECT_EQ(done, available);
+              if (!done) {  // nothing written (NaN compared as a number)
+                EXPECT_TRUE(torch::equal(torch::nan_to_num(buffer, 7.0),
+                                         torch::nan_to_num(before, 7.0)));
+                continue;
+              }
+              auto expected = alpha * torch::mm(a.to(torch::kFloat64),
+                                                b.to(torch::kFloat64));
+              // float32 products of k terms: a few ulps of the sum of |terms|
+              // (c's NaN where beta is 0 is never read, nor counted here).
+              auto magnitude =
+                  std::abs(alpha) * torch::mm(a.abs().to(torch::kFloat64),
+                                              b.abs().to(torch::kFloat64));
+              if (beta != 0.0) {
+                expected += beta * c0.to(torch::kFloat64);
+                magnitude += std::abs(beta) * c0.abs().to(torch::kFloat64);
+              }
+              const auto bound =
+                  1e-6 * static_cast<double>(c.k + 1) * magnitude + 1e-30;
+              const auto error = (out.to(torch::kFloat64) - expected).abs();
+              EXPECT_TRUE((error <= bound).all().item<bool>())
+                  << "max abs error " << error.max().item<double>();
+              if (strided_c) {  // the columns around c are untouched (NaN
+                                // compared as a number: torch::equal is false)
+                auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
+                  return torch::equal(torch::nan_to_num(x, 7.0),
+                                      torch::nan_to_num(y, 7.0));
+                };
+                EXPECT_TRUE(
+                    same(buffer.narrow(1, 0, 2), before.narrow(1, 0, 2)));
+                EXPECT_TRUE(same(buffer.narrow(1, 2 + c.n, 3),
+                                 before.narrow(1, 2 + c.n, 3)));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Debian's LibTorch links oneDNN as a shared library (built with OpenMP):
+// the path finds it there. Elsewhere (oneDNN linked in statically, its
+// symbols hidden) dnnl_sgemm is not found and the path keeps BLAS's gemm.
+TEST(OneDnnGemm, FoundWhereLibTorchLoadsOneDnn) {
+  const bool loaded = dlsym(RTLD_DEFAULT, "dnnl_sgemm") != nullptr;
+  if (!loaded) {
+    EXPECT_FALSE(mha::detail::onednn_gemm_available());
+    GTEST_SKIP() << "oneDNN's dnnl_sgemm is not loaded";
+  }
+  EXPECT_TRUE(mha::detail::onednn_gemm_available());
+  EXPECT_EQ(mha::detail::onednn_gemm_version().rfind("oneDNN ", 0), 0u)
+      << mha::detail::onednn_gemm_version();
+}
+
+// Small calls run their items in order, holding the calling thread's OpenMP
+// thread count at 1 for oneDNN's products: the count must come back, and
+// the result must be the float64 reference's.
+TEST(OneDnnGemm, SmallCallsGiveTheThreadCountBack) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  torch::manual_seed(10);
+  auto q = torch::randn({2, 4, 128, 64}), k = torch::randn({2, 4, 128, 64}),
+       v = torch::randn({2, 4, 128, 64});
+  const auto out = std::get<0>(mha::scaled_dot_product_attention(q, k, v));
+  EXPECT_EQ(at::get_num_threads(), 2);
+  const auto reference =
+      torch::softmax(torch::matmul(q.to(torch::kFloat64),
+                                   k.to(torch::kFloat64).transpose(-2, -1)) /
+                         8.0,
+                     -1);
+  const auto expected = torch::matmul(reference, v.to(torch::kFloat64));
+  EXPECT_LT((out.to(torch::kFloat64) - expected).abs().max().item<double>(),
+            1e-5);
+  at::set_num_threads(threads);
 }
 
 // Debian's LibTorch (no MKL) calls the system BLAS, so the direct calls are
