@@ -14,6 +14,7 @@
 
 #include "attention_core.h"  // kInOrderKeys
 #include "bench_tool.h"
+#include "blas_gemm.h"
 #include "blas_threads.h"
 #include "mha/version.h"
 #include "tool_common.h"
@@ -377,6 +378,9 @@ Environment read_environment(const Settings& settings,
   env.blas_threads_env = mha::tools::env_or_unset("OPENBLAS_NUM_THREADS");
   env.openblas_core = mha::detail::openblas_core();
   env.openblas_workers_spin = mha::detail::openblas_workers_spin();
+  env.blocked_gemm = mha::detail::onednn_gemm_available()
+                         ? mha::detail::onednn_gemm_version()
+                         : "BLAS";
   env.coretype = mha::tools::env_or_unset("OPENBLAS_CORETYPE");
   env.memory_text =
       settings.memory == MemoryMethod::kClearRefs
@@ -420,6 +424,15 @@ void print_environment(Environment& env, const Args& args,
                           mha::detail::kInOrderKeys)
                     : "")
           : "");
+  if (args.device_name == "cpu") {
+    fmt::print(
+        "Products:  the blocked path's float32 products through {}{}\n",
+        env.blocked_gemm,
+        env.blocked_gemm == "BLAS"
+            ? "'s gemm"
+            : "'s dnnl_sgemm, one thread each (in order: calls of <= 2^20 "
+              "scores, or spread); BLAS's gemm otherwise");
+  }
   fmt::print("LibTorch:  {}, device {}, dtype {}\n", mha::torch_version(),
              args.device_name, args.dtype_name);
   fmt::print(
@@ -629,6 +642,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
       {"omp_wait_policy_source", source(env, "OMP_WAIT_POLICY")},
       {"openblas_core", env.openblas_core},
       {"openblas_workers_spin", env.openblas_workers_spin},
+      {"blocked_gemm", env.blocked_gemm},
       {"openblas_coretype_env", env.coretype},
       {"environment_set_by_mha_bench", env.runtime_note},
       {"omp_num_threads_env", env.omp_threads},
