@@ -2021,6 +2021,32 @@ TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
   EXPECT_TRUE(torch::equal(got.second, expected.second));
 }
 
+/// The operands of one case of the gemm tests below: a (m x k) and b
+/// (k x n), each stored as itself or as its transpose, and c: columns
+/// [2, 2 + n) of an (m, n + 5) buffer (strided_c) or a contiguous copy of
+/// them; NaN where beta is 0 (never read), values to add to where it is 1.
+struct GemmOperands {
+  torch::Tensor a, b, buffer, c;
+
+  GemmOperands(int64_t m, int64_t k, int64_t n, bool a_transposed,
+               bool b_transposed, bool strided_c, double beta,
+               const torch::TensorOptions& opts) {
+    a = a_transposed ? torch::randn({k, m}, opts).t()
+                     : torch::randn({m, k}, opts);
+    b = b_transposed ? torch::randn({n, k}, opts).t()
+                     : torch::randn({k, n}, opts);
+    buffer = beta == 0.0
+                 ? torch::full({m, n + 5},
+                               std::numeric_limits<double>::quiet_NaN(), opts)
+                 : torch::randn({m, n + 5}, opts);
+    c = strided_c ? buffer.narrow(1, 2, n)
+                  : buffer.narrow(1, 0, n).contiguous();
+  }
+  static mha::detail::StridedMatrix matrix(const torch::Tensor& t) {
+    return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.stride(1)};
+  }
+};
+
 // gemm_matrix (src/blas_gemm.h): the per-block path's products, one BLAS
 // call each, must be ATen's addmm bit for bit: c = alpha · a · b + beta · c
 // for the layouts that path passes (rows of a head, a block's columns
@@ -2040,32 +2066,16 @@ TEST(GemmMatrix, MatchesAtenAddmmBitForBit) {
           for (const bool strided_c : {false, true}) {
             for (const double beta : {0.0, 1.0}) {
               for (const double alpha : {1.0, 0.125}) {
-                auto a = a_transposed ? torch::randn({c.k, c.m}, opts).t()
-                                      : torch::randn({c.m, c.k}, opts);
-                auto b = b_transposed ? torch::randn({c.n, c.k}, opts).t()
-                                      : torch::randn({c.k, c.n}, opts);
-                // c: contiguous, or columns [2, 2 + n) of wider rows; NaN
-                // where beta is 0 (never read), values to add to where 1.
-                auto buffer =
-                    beta == 0.0
-                        ? torch::full({c.m, c.n + 5},
-                                      std::numeric_limits<double>::quiet_NaN(),
-                                      opts)
-                        : torch::randn({c.m, c.n + 5}, opts);
-                auto expected_buffer = buffer.clone();
-                auto pick = [&](const torch::Tensor& t) {
-                  return strided_c ? t.narrow(1, 2, c.n)
-                                   : t.narrow(1, 0, c.n).contiguous();
-                };
-                auto out = pick(buffer), expected = pick(expected_buffer);
-                const mha::detail::StridedMatrix ma{a.data_ptr(), c.m, c.k,
-                                                    a.stride(0), a.stride(1)};
-                const mha::detail::StridedMatrix mb{b.data_ptr(), c.k, c.n,
-                                                    b.stride(0), b.stride(1)};
-                const mha::detail::StridedMatrix mc{
-                    out.data_ptr(), c.m, c.n, out.stride(0), out.stride(1)};
-                const bool direct =
-                    mha::detail::gemm_matrix(dtype, ma, mb, alpha, beta, mc);
+                const GemmOperands ops(c.m, c.k, c.n, a_transposed,
+                                       b_transposed, strided_c, beta, opts);
+                const auto &a = ops.a, &b = ops.b, &out = ops.c;
+                // The same layout as out, over a copy of its buffer.
+                auto expected_buffer = ops.buffer.clone();
+                auto expected =
+                    strided_c ? expected_buffer.narrow(1, 2, c.n) : out.clone();
+                const bool direct = mha::detail::gemm_matrix(
+                    dtype, GemmOperands::matrix(a), GemmOperands::matrix(b),
+                    alpha, beta, GemmOperands::matrix(out));
                 at::addmm_out(expected, expected, a, b, beta, alpha);
                 SCOPED_TRACE(::testing::Message()
                              << c10::toString(dtype) << " (" << c.m << ", "
@@ -2121,38 +2131,28 @@ TEST(OneDnnGemm, MatchesTheFloat64ProductOverThePathsLayouts) {
         for (const bool strided_c : {false, true}) {
           for (const double beta : {0.0, 1.0}) {
             for (const double alpha : {1.0, 0.125}) {
-              auto a = a_transposed ? torch::randn({c.k, c.m}, opts).t()
-                                    : torch::randn({c.m, c.k}, opts);
-              auto b = b_transposed ? torch::randn({c.n, c.k}, opts).t()
-                                    : torch::randn({c.k, c.n}, opts);
-              auto buffer =
-                  beta == 0.0
-                      ? torch::full({c.m, c.n + 5},
-                                    std::numeric_limits<float>::quiet_NaN(),
-                                    opts)
-                      : torch::randn({c.m, c.n + 5}, opts);
-              const auto before = buffer.clone();
-              auto out = strided_c ? buffer.narrow(1, 2, c.n)
-                                   : buffer.narrow(1, 0, c.n).contiguous();
-              const auto c0 = out.clone();
-              const mha::detail::StridedMatrix ma{a.data_ptr(), c.m, c.k,
-                                                  a.stride(0), a.stride(1)};
-              const mha::detail::StridedMatrix mb{b.data_ptr(), c.k, c.n,
-                                                  b.stride(0), b.stride(1)};
-              const mha::detail::StridedMatrix mc{out.data_ptr(), c.m, c.n,
-                                                  out.stride(0), out.stride(1)};
+              const GemmOperands ops(c.m, c.k, c.n, a_transposed, b_transposed,
+                                     strided_c, beta, opts);
+              const auto &a = ops.a, &b = ops.b, &out = ops.c;
+              const auto before = ops.buffer.clone(), c0 = out.clone();
               SCOPED_TRACE(::testing::Message()
                            << "(" << c.m << ", " << c.k << ", " << c.n
                            << ") a_transposed " << a_transposed
                            << " b_transposed " << b_transposed << " strided_c "
                            << strided_c << " beta " << beta << " alpha "
                            << alpha);
-              const bool done =
-                  mha::detail::onednn_gemm_matrix(ma, mb, alpha, beta, mc);
+              const bool done = mha::detail::onednn_gemm_matrix(
+                  GemmOperands::matrix(a), GemmOperands::matrix(b), alpha, beta,
+                  GemmOperands::matrix(out));
               EXPECT_EQ(done, available);
-              if (!done) {  // nothing written (NaN compared as a number)
-                EXPECT_TRUE(torch::equal(torch::nan_to_num(buffer, 7.0),
-                                         torch::nan_to_num(before, 7.0)));
+              // NaN compared as a number (torch::equal is false on NaN).
+              auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
+                return torch::equal(torch::nan_to_num(x, 7.0),
+                                    torch::nan_to_num(y, 7.0));
+              };
+              if (!done) {  // nothing written
+                EXPECT_TRUE(same(ops.buffer, before));
+                EXPECT_TRUE(same(out, c0));
                 continue;
               }
               auto expected = alpha * torch::mm(a.to(torch::kFloat64),
@@ -2171,15 +2171,10 @@ TEST(OneDnnGemm, MatchesTheFloat64ProductOverThePathsLayouts) {
               const auto error = (out.to(torch::kFloat64) - expected).abs();
               EXPECT_TRUE((error <= bound).all().item<bool>())
                   << "max abs error " << error.max().item<double>();
-              if (strided_c) {  // the columns around c are untouched (NaN
-                                // compared as a number: torch::equal is false)
-                auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
-                  return torch::equal(torch::nan_to_num(x, 7.0),
-                                      torch::nan_to_num(y, 7.0));
-                };
+              if (strided_c) {  // the columns around c are untouched
                 EXPECT_TRUE(
-                    same(buffer.narrow(1, 0, 2), before.narrow(1, 0, 2)));
-                EXPECT_TRUE(same(buffer.narrow(1, 2 + c.n, 3),
+                    same(ops.buffer.narrow(1, 0, 2), before.narrow(1, 0, 2)));
+                EXPECT_TRUE(same(ops.buffer.narrow(1, 2 + c.n, 3),
                                  before.narrow(1, 2 + c.n, 3)));
               }
             }
