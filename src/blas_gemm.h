@@ -86,7 +86,7 @@ bool direct_gemm_available(torch::ScalarType dtype);
 /// dnnl.h: row-major, `transa`/`transb` 'N' or 'T'), where the process has
 /// oneDNN loaded as a shared library built with the OpenMP or sequential
 /// runtime: Debian's LibTorch links libdnnl.so (1.13: oneDNN 2.6; 2.14:
-/// 3.6). Returns false, with nothing written, where it is not loaded or the
+/// 3.12). Returns false, with nothing written, where it is not loaded or the
 /// layout is not one gemm_matrix passes to BLAS.
 ///
 /// Why: the per-block path's products (D = 64 columns of q, k and v) ran

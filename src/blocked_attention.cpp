@@ -538,6 +538,10 @@ class OneOmpThread {
   int saved_ = 0;
 };
 
+bool onednn_products_available() {
+  return kOneDnnHeldToOneThread && onednn_gemm_available();
+}
+
 namespace {
 std::atomic<int> spread_every_call{0};  // live SpreadEveryCall instances
 }  // namespace
@@ -630,9 +634,8 @@ AttentionResult blocked_attention(
   // oneDNN's products where each runs on one core anyway: spread items, and
   // small calls in order (kSpreadScores). Larger calls in order (where
   // OpenBLAS's idle workers spin) keep BLAS's gemm on its own threads.
-  spec.onednn = kOneDnnHeldToOneThread && query.is_cpu() &&
-                query.scalar_type() == torch::kFloat32 &&
-                onednn_gemm_available() &&
+  spec.onednn = query.is_cpu() && query.scalar_type() == torch::kFloat32 &&
+                onednn_products_available() &&
                 (spec.spread || scores <= kSpreadScores);
   if (kept == KeptWeights::kAuto) {
     // Kept while small (at most kOneBlockScores, 4 MiB of float32), so that

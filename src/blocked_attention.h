@@ -111,6 +111,13 @@ constexpr int64_t kOneBlockScores = int64_t{1} << 20;
 /// torch::nn's time in order against 0.37 spread.
 constexpr int64_t kSpreadScores = int64_t{1} << 20;
 
+/// Whether blocked_attention's float32 calls can make their products
+/// through oneDNN (onednn_gemm_matrix): it is loaded, and this build can
+/// hold it to one thread per call (ATen's loop is an OpenMP region and
+/// blocked_attention.cpp is compiled with OpenMP). Which calls do:
+/// BlockedSpec::onednn.
+bool onednn_products_available();
+
 /// In place on p (..., rows, cols): the columns outside each row's `limits`
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes
 /// and CPUs without fused_softmax_rows).

@@ -2195,6 +2195,9 @@ TEST(OneDnnGemm, FoundWhereLibTorchLoadsOneDnn) {
     GTEST_SKIP() << "oneDNN's dnnl_sgemm is not loaded";
   }
   EXPECT_TRUE(mha::detail::onednn_gemm_available());
+  // Debian's LibTorch runs ATen's loops on OpenMP, and CMake builds the
+  // blocked path with OpenMP: its float32 calls take oneDNN.
+  EXPECT_TRUE(mha::detail::onednn_products_available());
   EXPECT_EQ(mha::detail::onednn_gemm_version().rfind("oneDNN ", 0), 0u)
       << mha::detail::onednn_gemm_version();
 }

@@ -16,6 +16,7 @@
 #include "bench_tool.h"
 #include "blas_gemm.h"
 #include "blas_threads.h"
+#include "blocked_attention.h"  // onednn_products_available
 #include "mha/version.h"
 #include "tool_common.h"
 
@@ -378,7 +379,7 @@ Environment read_environment(const Settings& settings,
   env.blas_threads_env = mha::tools::env_or_unset("OPENBLAS_NUM_THREADS");
   env.openblas_core = mha::detail::openblas_core();
   env.openblas_workers_spin = mha::detail::openblas_workers_spin();
-  env.blocked_gemm = mha::detail::onednn_gemm_available()
+  env.blocked_gemm = mha::detail::onednn_products_available()
                          ? mha::detail::onednn_gemm_version()
                          : "BLAS";
   env.coretype = mha::tools::env_or_unset("OPENBLAS_CORETYPE");

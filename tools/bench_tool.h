@@ -72,7 +72,8 @@ struct Environment {
   /// keys run in order and take the blocked path (src/attention_core.h)
   bool openblas_workers_spin = false;
   /// What computes the blocked path's float32 products:
-  /// mha::detail::onednn_gemm_version() ("oneDNN X.Y.Z") or "BLAS".
+  /// mha::detail::onednn_gemm_version() ("oneDNN X.Y.Z") where
+  /// onednn_products_available(), otherwise "BLAS".
   std::string blocked_gemm;
   std::string memory_text, reps_text;
   Gemm gemm;  ///< set by print_environment
