@@ -2047,66 +2047,86 @@ struct GemmOperands {
   }
 };
 
+/// One case of the gemm tests: a shape and a layout.
+struct GemmCase {
+  int64_t m, k, n;
+  bool a_transposed, b_transposed, strided_c;
+  double beta, alpha;
+};
+
+/// Calls check(case, operands) for every shape in `shapes` times every
+/// layout the blocked path passes (a and b as themselves or transposed,
+/// strided or contiguous c, beta 0 or 1, alpha 1 or 0.125), with fresh
+/// operands of `opts` and the case in the failure trace.
+void for_each_gemm_case(
+    const std::vector<std::array<int64_t, 3>>& shapes,
+    const torch::TensorOptions& opts,
+    const std::function<void(const GemmCase&, const GemmOperands&)>& check) {
+  for (const auto& [m, k, n] : shapes) {
+    for (const bool a_transposed : {false, true}) {
+      for (const bool b_transposed : {false, true}) {
+        for (const bool strided_c : {false, true}) {
+          for (const double beta : {0.0, 1.0}) {
+            for (const double alpha : {1.0, 0.125}) {
+              const GemmCase c{
+                  m, k, n, a_transposed, b_transposed, strided_c, beta, alpha};
+              const GemmOperands ops(m, k, n, a_transposed, b_transposed,
+                                     strided_c, beta, opts);
+              SCOPED_TRACE(::testing::Message()
+                           << c10::toString(opts.dtype()) << " (" << m << ", "
+                           << k << ", " << n << ") a_transposed "
+                           << a_transposed << " b_transposed " << b_transposed
+                           << " strided_c " << strided_c << " beta " << beta
+                           << " alpha " << alpha);
+              check(c, ops);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // gemm_matrix (src/blas_gemm.h): the per-block path's products, one BLAS
 // call each, must be ATen's addmm bit for bit: c = alpha · a · b + beta · c
 // for the layouts that path passes (rows of a head, a block's columns
 // transposed, strided output rows; beta 0 over NaN, beta 1 accumulating).
 TEST(GemmMatrix, MatchesAtenAddmmBitForBit) {
   torch::manual_seed(8);
-  struct Case {
-    int64_t m, k, n;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<std::array<int64_t, 3>> shapes = {
       {64, 32, 48}, {1, 64, 96}, {32, 64, 1}, {7, 1, 9}, {3, 3, 4}};
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
-    const auto opts = torch::TensorOptions().dtype(dtype);
-    for (const auto& c : cases) {
-      for (const bool a_transposed : {false, true}) {
-        for (const bool b_transposed : {false, true}) {
-          for (const bool strided_c : {false, true}) {
-            for (const double beta : {0.0, 1.0}) {
-              for (const double alpha : {1.0, 0.125}) {
-                const GemmOperands ops(c.m, c.k, c.n, a_transposed,
-                                       b_transposed, strided_c, beta, opts);
-                const auto &a = ops.a, &b = ops.b, &out = ops.c;
-                // The same layout as out, over a copy of its buffer.
-                auto expected_buffer = ops.buffer.clone();
-                auto expected =
-                    strided_c ? expected_buffer.narrow(1, 2, c.n) : out.clone();
-                const bool direct = mha::detail::gemm_matrix(
-                    dtype, GemmOperands::matrix(a), GemmOperands::matrix(b),
-                    alpha, beta, GemmOperands::matrix(out));
-                at::addmm_out(expected, expected, a, b, beta, alpha);
-                SCOPED_TRACE(::testing::Message()
-                             << c10::toString(dtype) << " (" << c.m << ", "
-                             << c.k << ", " << c.n << ") a_transposed "
-                             << a_transposed << " b_transposed " << b_transposed
-                             << " strided_c " << strided_c << " beta " << beta
-                             << " alpha " << alpha);
-                // Where LibTorch calls the system BLAS, every layout here is
-                // direct but a contiguous one-column c (column-major to ATen)
-                // and a one-row a with strides (1, 1) times a transposed b
-                // (LibTorch 2.14's addmm computes it another way).
-                const bool column_major_c = !strided_c && c.n == 1;
-                const bool aten_own_route =
-                    c.m == 1 && c.k > 1 && a_transposed && b_transposed;
-                if (mha::detail::direct_gemm_available(dtype) &&
-                    !column_major_c && !aten_own_route) {
-                  EXPECT_TRUE(direct);
-                }
-                if (column_major_c || aten_own_route) {
-                  EXPECT_FALSE(direct);
-                }
-                // Direct or through ATen, the results are addmm's.
-                EXPECT_TRUE(torch::equal(out, expected))
-                    << "max abs difference from ATen's addmm "
-                    << (out - expected).abs().max().item<double>();
-              }
-            }
+    for_each_gemm_case(
+        shapes, torch::TensorOptions().dtype(dtype),
+        [&](const GemmCase& c, const GemmOperands& ops) {
+          const auto &a = ops.a, &b = ops.b, &out = ops.c;
+          // The same layout as out, over a copy of its buffer.
+          auto expected_buffer = ops.buffer.clone();
+          auto expected =
+              c.strided_c ? expected_buffer.narrow(1, 2, c.n) : out.clone();
+          const bool direct = mha::detail::gemm_matrix(
+              dtype, GemmOperands::matrix(a), GemmOperands::matrix(b), c.alpha,
+              c.beta, GemmOperands::matrix(out));
+          at::addmm_out(expected, expected, a, b, c.beta, c.alpha);
+          // Where LibTorch calls the system BLAS, every layout here is
+          // direct but a contiguous one-column c (column-major to ATen)
+          // and a one-row a with strides (1, 1) times a transposed b
+          // (LibTorch 2.14's addmm computes it another way).
+          const bool column_major_c = !c.strided_c && c.n == 1;
+          const bool aten_own_route =
+              c.m == 1 && c.k > 1 && c.a_transposed && c.b_transposed;
+          if (mha::detail::direct_gemm_available(dtype) && !column_major_c &&
+              !aten_own_route) {
+            EXPECT_TRUE(direct);
           }
-        }
-      }
-    }
+          if (column_major_c || aten_own_route) {
+            EXPECT_FALSE(direct);
+          }
+          // Direct or through ATen, the results are addmm's.
+          EXPECT_TRUE(torch::equal(out, expected))
+              << "max abs difference from ATen's addmm "
+              << (out - expected).abs().max().item<double>();
+        });
   }
 }
 
@@ -2118,71 +2138,53 @@ TEST(GemmMatrix, MatchesAtenAddmmBitForBit) {
 // write nothing and return false.
 TEST(OneDnnGemm, MatchesTheFloat64ProductOverThePathsLayouts) {
   torch::manual_seed(9);
-  struct Case {
-    int64_t m, k, n;
-  };
-  const std::vector<Case> cases = {{128, 64, 128}, {64, 128, 64}, {1, 64, 96},
-                                   {32, 64, 1},    {7, 1, 9},     {3, 3, 4}};
-  const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
   const bool available = mha::detail::onednn_gemm_available();
-  for (const auto& c : cases) {
-    for (const bool a_transposed : {false, true}) {
-      for (const bool b_transposed : {false, true}) {
-        for (const bool strided_c : {false, true}) {
-          for (const double beta : {0.0, 1.0}) {
-            for (const double alpha : {1.0, 0.125}) {
-              const GemmOperands ops(c.m, c.k, c.n, a_transposed, b_transposed,
-                                     strided_c, beta, opts);
-              const auto &a = ops.a, &b = ops.b, &out = ops.c;
-              const auto before = ops.buffer.clone(), c0 = out.clone();
-              SCOPED_TRACE(::testing::Message()
-                           << "(" << c.m << ", " << c.k << ", " << c.n
-                           << ") a_transposed " << a_transposed
-                           << " b_transposed " << b_transposed << " strided_c "
-                           << strided_c << " beta " << beta << " alpha "
-                           << alpha);
-              const bool done = mha::detail::onednn_gemm_matrix(
-                  GemmOperands::matrix(a), GemmOperands::matrix(b), alpha, beta,
-                  GemmOperands::matrix(out));
-              EXPECT_EQ(done, available);
-              // NaN compared as a number (torch::equal is false on NaN).
-              auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
-                return torch::equal(torch::nan_to_num(x, 7.0),
-                                    torch::nan_to_num(y, 7.0));
-              };
-              if (!done) {  // nothing written
-                EXPECT_TRUE(same(ops.buffer, before));
-                EXPECT_TRUE(same(out, c0));
-                continue;
-              }
-              auto expected = alpha * torch::mm(a.to(torch::kFloat64),
-                                                b.to(torch::kFloat64));
-              // float32 products of k terms: a few ulps of the sum of |terms|
-              // (c's NaN where beta is 0 is never read, nor counted here).
-              auto magnitude =
-                  std::abs(alpha) * torch::mm(a.abs().to(torch::kFloat64),
-                                              b.abs().to(torch::kFloat64));
-              if (beta != 0.0) {
-                expected += beta * c0.to(torch::kFloat64);
-                magnitude += std::abs(beta) * c0.abs().to(torch::kFloat64);
-              }
-              const auto bound =
-                  1e-6 * static_cast<double>(c.k + 1) * magnitude + 1e-30;
-              const auto error = (out.to(torch::kFloat64) - expected).abs();
-              EXPECT_TRUE((error <= bound).all().item<bool>())
-                  << "max abs error " << error.max().item<double>();
-              if (strided_c) {  // the columns around c are untouched
-                EXPECT_TRUE(
-                    same(ops.buffer.narrow(1, 0, 2), before.narrow(1, 0, 2)));
-                EXPECT_TRUE(same(ops.buffer.narrow(1, 2 + c.n, 3),
-                                 before.narrow(1, 2 + c.n, 3)));
-              }
-            }
-          }
+  // NaN compared as a number (torch::equal is false on NaN).
+  auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
+    return torch::equal(torch::nan_to_num(x, 7.0), torch::nan_to_num(y, 7.0));
+  };
+  for_each_gemm_case(
+      {{128, 64, 128},
+       {64, 128, 64},
+       {1, 64, 96},
+       {32, 64, 1},
+       {7, 1, 9},
+       {3, 3, 4}},
+      torch::TensorOptions().dtype(torch::kFloat32),
+      [&](const GemmCase& c, const GemmOperands& ops) {
+        const auto &a = ops.a, &b = ops.b, &out = ops.c;
+        const auto before = ops.buffer.clone(), c0 = out.clone();
+        const bool done = mha::detail::onednn_gemm_matrix(
+            GemmOperands::matrix(a), GemmOperands::matrix(b), c.alpha, c.beta,
+            GemmOperands::matrix(out));
+        EXPECT_EQ(done, available);
+        if (!done) {  // nothing written
+          EXPECT_TRUE(same(ops.buffer, before));
+          EXPECT_TRUE(same(out, c0));
+          return;
         }
-      }
-    }
-  }
+        auto expected =
+            c.alpha * torch::mm(a.to(torch::kFloat64), b.to(torch::kFloat64));
+        // float32 products of k terms: a few ulps of the sum of |terms|
+        // (c's NaN where beta is 0 is never read, nor counted here).
+        auto magnitude =
+            std::abs(c.alpha) *
+            torch::mm(a.abs().to(torch::kFloat64), b.abs().to(torch::kFloat64));
+        if (c.beta != 0.0) {
+          expected += c.beta * c0.to(torch::kFloat64);
+          magnitude += std::abs(c.beta) * c0.abs().to(torch::kFloat64);
+        }
+        const auto bound =
+            1e-6 * static_cast<double>(c.k + 1) * magnitude + 1e-30;
+        const auto error = (out.to(torch::kFloat64) - expected).abs();
+        EXPECT_TRUE((error <= bound).all().item<bool>())
+            << "max abs error " << error.max().item<double>();
+        if (c.strided_c) {  // the columns around c are untouched
+          EXPECT_TRUE(same(ops.buffer.narrow(1, 0, 2), before.narrow(1, 0, 2)));
+          EXPECT_TRUE(same(ops.buffer.narrow(1, 2 + c.n, 3),
+                           before.narrow(1, 2 + c.n, 3)));
+        }
+      });
 }
 
 // Debian's LibTorch links oneDNN as a shared library (built with OpenMP):
