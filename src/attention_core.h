@@ -155,9 +155,10 @@ constexpr int64_t kBlockedLargeScores = int64_t{1} << 25;
 /// Where the loaded OpenBLAS keeps its idle workers spinning after a call
 /// (openblas_workers_spin, blas_threads.h: 0.3.27 or later on x86-64, more
 /// than one thread), calls of at most kInOrderKeys keys (S) take the
-/// blocked path where it applies (choose_path), and run their items in
-/// order whatever their size (spread_items), each GEMM on BLAS's own
-/// threads. Why: after the
+/// blocked path where it applies (choose_path), and, where their items
+/// cannot run on OpenBLAS's own threads (item_threads: products not all
+/// oneDNN's), run them in order whatever their size (spread_items), each
+/// GEMM on BLAS's own threads. Why: after the
 /// in-projection's GEMM that worker keeps one of the cores busy for tens of
 /// milliseconds, and a loop over ATen's threads runs at about half speed until
 /// it stops; in order, the worker does the GEMMs' work instead. Where the core
@@ -245,9 +246,9 @@ enum class KeptWeights {
 /// reused buffer, scale folded into the GEMM, mask, position limits and bias
 /// and softmax applied in place, only the columns a block's rows can see
 /// computed (right of the diagonal when causal, outside the window); blocks
-/// spread over ATen's threads (for_each_item). Backward (a custom autograd
-/// function) uses the weights kept by forward (`kept`: by default for calls
-/// of at most 2^20 scores) or recomputes them block by block: memory then
+/// spread over OpenBLAS's or ATen's threads (item_threads). Backward (a custom
+/// autograd function) uses the weights kept by forward (`kept`: by default for
+/// calls of at most 2^20 scores) or recomputes them block by block: memory then
 /// O(block_rows · S) per thread besides the inputs and outputs. Calls with
 /// L <= 32 and N·H·L·S <= 2^20 (a decoding step, short chunks) and
 /// block_rows 0 are one block of all heads instead: each step one batched
@@ -263,40 +264,79 @@ AttentionResult blocked_attention(const torch::Tensor& query,
                                   KeptWeights kept = KeptWeights::kAuto,
                                   const torch::Tensor& packed = {});
 
+/// Where for_each_item runs its work items.
+enum class ItemThreads : int64_t {
+  /// In order on the calling thread, BLAS on its own threads.
+  kCaller = 0,
+  /// Spread over ATen's intra-op threads (at::get_num_threads()), BLAS
+  /// held to one thread (SingleThreadedBlas) meanwhile.
+  kAten = 1,
+  /// Spread over OpenBLAS's own threads (run_on_openblas_threads,
+  /// blas_threads.h), each holding its OpenMP thread count at 1. The body
+  /// must make no BLAS call: its products go through oneDNN.
+  kOpenBlas = 2,
+};
+
 /// Calls body(item, scratch) for every item in [0, items), where scratch is
 /// a tensor of `scratch_elements` with `options` for the calling thread's
-/// use. On ATen's intra-op threads (at::get_num_threads()) when `spread`,
-/// there are several, items >= threads, this is not already a parallel
-/// region, and the BLAS can run single threaded on each (blas_threads.h):
-/// thread t of T takes items t, t + T, ..., so neighbouring items (causal
-/// blocks of growing width) are spread over the threads. Otherwise in order
-/// on this thread, with BLAS's own threads. Items must write disjoint outputs.
-/// The caller's thread-local state (grad mode, inference mode) holds on every
-/// thread; an exception in body is rethrown here. Returns the number of
-/// threads used (1: in order on this thread).
-/// With one_omp_thread, items run in order hold the calling thread's OpenMP
-/// thread count at 1 meanwhile (restored after), so that a library on
-/// OpenMP (oneDNN) runs each call of the body on this thread alone.
+/// use, on the threads `threads` names:
+/// - kAten where there are several, items >= threads, this is not already
+///   a parallel region, and the BLAS can run single threaded on each
+///   (blas_threads.h): thread t of T takes items t, t + T, ..., so that
+///   neighbouring items (causal blocks of growing width) are spread;
+/// - kOpenBlas where min(at::get_num_threads(), openblas_pool_threads()) >=
+///   2, items >= 2, this is not already a parallel region (ATen's or
+///   OpenMP's) and no other call of this kind is running (OpenBLAS would
+///   queue the second behind the first's workers): each thread takes the
+///   next item not yet taken;
+/// - otherwise in order on this thread, with BLAS's own threads.
+/// Items must write disjoint outputs. The caller's thread-local state (grad
+/// mode, inference mode) holds on every thread; an exception in body is
+/// rethrown here. Returns the number of threads used (1: in order on this
+/// thread). With one_omp_thread, items run in order hold the calling
+/// thread's OpenMP thread count at 1 meanwhile (restored after), so that a
+/// library on OpenMP (oneDNN) runs each call of the body on this thread
+/// alone (kOpenBlas's threads always do).
 int64_t for_each_item(int64_t items, int64_t scratch_elements,
                       const torch::TensorOptions& options,
                       const std::function<void(int64_t, torch::Tensor&)>& body,
-                      bool spread = true, bool one_omp_thread = false);
+                      ItemThreads threads = ItemThreads::kAten,
+                      bool one_omp_thread = false);
+
+/// Where the calling thread's latest for_each_item ran its items (kCaller
+/// when in order, also when asked for another pool that could not be used
+/// then); kCaller before any call. For tests and reports.
+ItemThreads last_item_threads();
 
 /// Whether blocked_attention spreads the work items of a call of `scores`
-/// scores (N·H·L·S) and `keys` keys (S) over ATen's threads: above
-/// kSpreadScores (blocked_attention.h), unless keys <= kInOrderKeys (above)
-/// where OpenBLAS's idle workers spin; always while a SpreadEveryCall lives.
+/// scores (N·H·L·S) and `keys` keys (S) over ATen's threads when it cannot
+/// use OpenBLAS's (item_threads): above kSpreadScores (blocked_attention.h),
+/// unless keys <= kInOrderKeys (above) where OpenBLAS's idle workers spin;
+/// always while a SpreadEveryCall of kAten lives.
 bool spread_items(int64_t scores, int64_t keys);
 
+/// Where blocked_attention runs the work items of a call of `scores` scores
+/// and `keys` keys, `onednn` telling whether its products can all go
+/// through oneDNN: on OpenBLAS's threads where they can, the call has at
+/// least kOpenBlasScores scores (blocked_attention.h) and OpenBLAS has a
+/// pool of two or more (openblas_pool_threads); otherwise on ATen's where
+/// spread_items says so, else in order. While a SpreadEveryCall lives,
+/// calls of every size go where it says (kOpenBlas only where `onednn`).
+ItemThreads item_threads(int64_t scores, int64_t keys, bool onednn);
+
 /// For tests: while an instance lives (on any thread), blocked_attention
-/// spreads the work items of calls of every size, so that small inputs cover
-/// the parallel loop. Instances may overlap.
+/// spreads the work items of calls of every size over the threads `over`
+/// names (kAten or kOpenBlas), so that small inputs cover the parallel
+/// loops. Instances may overlap; while one of kOpenBlas lives, it wins.
 class SpreadEveryCall {
  public:
-  SpreadEveryCall();
+  explicit SpreadEveryCall(ItemThreads over = ItemThreads::kAten);
   ~SpreadEveryCall();
   SpreadEveryCall(const SpreadEveryCall&) = delete;
   SpreadEveryCall& operator=(const SpreadEveryCall&) = delete;
+
+ private:
+  ItemThreads over_;
 };
 
 /// Checks that `mask` (already dtype/device checked) broadcasts to `target`

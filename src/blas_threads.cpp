@@ -1,7 +1,8 @@
 // OpenBLAS's thread control and self-description, found at run time by
 // symbol name among the loaded libraries (dlsym): SingleThreadedBlas for
-// mha's parallel loops, and the thread count, build string and kernel name
-// that the tools set and print.
+// mha's parallel loops, its worker threads for loops that make no BLAS call
+// (run_on_openblas_threads), and the thread count, build string and kernel
+// name that the tools set and print.
 #include "blas_threads.h"
 
 #include <ATen/Parallel.h>
@@ -9,8 +10,10 @@
 
 #include <condition_variable>
 #include <cstdio>
+#include <exception>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 namespace mha::detail {
 
@@ -23,6 +26,10 @@ struct OpenBlas {
   int (*get_parallel)() = nullptr;    // 0 sequential, 1 pthreads, 2 OpenMP
   char* (*get_config)() = nullptr;    // build string
   char* (*get_corename)() = nullptr;  // kernel set
+  // gotoblas_pthread(numthreads, function, args, stride): function(args +
+  // t * stride) for each t, t = 0 on the caller (its `function` is a void*
+  // in OpenBLAS's source; a function pointer is passed the same way).
+  int (*pthread_tasks)(int, void (*)(void*), void*, int) = nullptr;
 
   static const OpenBlas& instance() {
     static const OpenBlas api = [] {
@@ -38,6 +45,9 @@ struct OpenBlas {
           dlsym(RTLD_DEFAULT, "openblas_get_config"));
       a.get_corename = reinterpret_cast<char* (*)()>(
           dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+      a.pthread_tasks =
+          reinterpret_cast<int (*)(int, void (*)(void*), void*, int)>(
+              dlsym(RTLD_DEFAULT, "gotoblas_pthread"));
       return a;
     }();
     return api;
@@ -107,6 +117,23 @@ class BlasTurns {
   int waiting_[2] = {0, 0};
   int saved_threads_ = 0;  // OpenBLAS's count before the single turn began
 };
+
+/// One task of run_on_openblas_threads, and what it threw.
+struct PoolTask {
+  const std::function<void(int)>* task = nullptr;
+  int t = 0;
+  std::exception_ptr error;
+};
+
+/// What OpenBLAS calls on each thread: no exception may cross into its C.
+void run_pool_task(void* arg) {
+  auto* pool_task = static_cast<PoolTask*>(arg);
+  try {
+    (*pool_task->task)(pool_task->t);
+  } catch (...) {
+    pool_task->error = std::current_exception();
+  }
+}
 
 // This thread's live scopes of each kind (nested ones cost nothing).
 thread_local int own_thread_guards = 0;
@@ -183,6 +210,32 @@ bool openblas_workers_spin() {
   }();
   // With one thread OpenBLAS runs every call on the caller: no worker.
   return spinning_build && OpenBlas::instance().get_num_threads() > 1;
+}
+
+int openblas_pool_threads() {
+  const auto& blas = OpenBlas::instance();
+  return blas.pthreads() && blas.pthread_tasks != nullptr
+             ? blas.get_num_threads()
+             : 0;
+}
+
+void run_on_openblas_threads(int threads,
+                             const std::function<void(int)>& task) {
+  TORCH_INTERNAL_ASSERT(threads >= 2 && threads <= openblas_pool_threads(),
+                        "run_on_openblas_threads: ", threads,
+                        " threads, OpenBLAS has ", openblas_pool_threads());
+  std::vector<PoolTask> tasks(static_cast<size_t>(threads));
+  for (int t = 0; t < threads; ++t) {
+    tasks[static_cast<size_t>(t)].task = &task;
+    tasks[static_cast<size_t>(t)].t = t;
+  }
+  OpenBlas::instance().pthread_tasks(threads, &run_pool_task, tasks.data(),
+                                     static_cast<int>(sizeof(PoolTask)));
+  for (const auto& done : tasks) {
+    if (done.error) {
+      std::rethrow_exception(done.error);
+    }
+  }
 }
 
 std::string openblas_core() {

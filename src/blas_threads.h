@@ -14,6 +14,7 @@
 // looked up in this one file (by name, so nothing links against OpenBLAS).
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -114,6 +115,32 @@ bool spinning_workers(const OpenBlasVersion& version, bool x86_64);
 /// it has no worker, and mha keeps spreading its large calls over ATen's
 /// threads).
 bool openblas_workers_spin();
+
+/// How many threads run_on_openblas_threads can use now: OpenBLAS's thread
+/// count (openblas_get_num_threads) where the loaded BLAS is OpenBLAS's
+/// pthreads build and has gotoblas_pthread; 0 otherwise (its OpenMP and
+/// sequential builds, other libraries, no BLAS found).
+int openblas_pool_threads();
+
+/// Runs task(t) for t = 0 .. threads - 1 through OpenBLAS's
+/// gotoblas_pthread (driver/others/blas_server.c in OpenMathLib/OpenBLAS,
+/// exported by its pthreads build since GotoBLAS, not in its documented
+/// API): t = 0 on the calling thread, the others on OpenBLAS's own worker
+/// threads, and returns when every task has ended. An exception a task
+/// throws is caught on its thread; the first is rethrown here after all
+/// have ended. Needs 2 <= threads <= openblas_pool_threads().
+///
+/// A task must not call BLAS: on a worker, OpenBLAS would queue that call's
+/// share to the workers, among them the one running the call, and wait for
+/// it forever. Another thread's BLAS call meanwhile waits for the workers
+/// to be free (OpenBLAS queues its calls this way anyway).
+///
+/// Why: after a call on its threads, OpenBLAS 0.3.27 and later keep their
+/// idle workers spinning on the cores for tens of milliseconds
+/// (openblas_workers_spin), and a loop on ATen's threads then shares the
+/// cores with them. Run on the workers themselves, it has the cores to
+/// itself (docs/speed.md, "The blocked path's items on OpenBLAS's threads").
+void run_on_openblas_threads(int threads, const std::function<void(int)>& task);
 
 /// The kernel set OpenBLAS chose ("SkylakeX", "Haswell", "Prescott", ...,
 /// from openblas_get_corename), or "" when OpenBLAS is not loaded.

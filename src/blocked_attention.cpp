@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <utility>
@@ -246,6 +247,33 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
   zero_rows(p, empty);
 }
 
+/// Whether oneDNN takes every matrix (the last two dims) of the 4-D
+/// `operands` as a factor (one of the two strides 1, the other at least the
+/// matrix's extent in that direction) and of the 4-D `results` as the
+/// product (row-major: unit column stride), as onednn_gemm_matrix needs.
+/// Where one does not, blocks of the call could fall back to BLAS, which
+/// OpenBLAS's own threads must never call (run_on_openblas_threads).
+bool onednn_only(std::initializer_list<torch::Tensor> operands,
+                 std::initializer_list<torch::Tensor> results = {}) {
+  auto row_major = [](const torch::Tensor& t) {
+    return t.stride(3) == 1 && t.stride(2) >= std::max<int64_t>(t.size(3), 1);
+  };
+  auto column_major = [](const torch::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(3) >= std::max<int64_t>(t.size(2), 1);
+  };
+  return std::all_of(operands.begin(), operands.end(),
+                     [&](const torch::Tensor& t) {
+                       return row_major(t) || column_major(t);
+                     }) &&
+         std::all_of(results.begin(), results.end(), row_major);
+}
+
+/// The threads for a call whose operands oneDNN does not all take: in order
+/// instead of on OpenBLAS's threads.
+ItemThreads in_order(ItemThreads threads) {
+  return threads == ItemThreads::kOpenBlas ? ItemThreads::kCaller : threads;
+}
+
 }  // namespace
 
 /// Forward of blocked attention on 4-D inputs: output (N, H, L, Dv), a view
@@ -341,7 +369,8 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
           }
         }
       },
-      spec.spread, spec.onednn);
+      onednn_only({q, k, v}, {out_nh}) ? spec.threads : in_order(spec.threads),
+      spec.onednn);
   return {out_nh, weights, kept};
 }
 
@@ -357,8 +386,13 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
 BlockedGradients blocked_backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const torch::Tensor& relative_bias, const BlockedSpec& spec,
-    const torch::Tensor& kept, const torch::Tensor& grad_out,
+    const torch::Tensor& kept, const torch::Tensor& grad_output,
     const torch::Tensor& grad_weights, BlockedGradients grads) {
+  // A gradient oneDNN cannot take as it is (such as the expanded one of
+  // out.sum()) is copied once, so that the items stay off BLAS.
+  const auto grad_out = spec.onednn && !onednn_only({grad_output})
+                            ? grad_output.contiguous()
+                            : grad_output;
   const auto N = q.size(0), H = q.size(1), L = q.size(2);
   const auto S = k.size(2), Hkv = k.size(1);
   const auto group = H / Hkv;  // query heads per key/value head
@@ -450,7 +484,9 @@ BlockedGradients blocked_backward(
           }
         }
       },
-      spec.spread, spec.onednn);
+      onednn_only({q, k, v, grad_out}, {dq, dk, dv}) ? spec.threads
+                                                     : in_order(spec.threads),
+      spec.onednn);
   if (d_bias.defined()) {
     d_bias = d_bias.sum(0);  // (H, L + S - 1)
     if (relative_bias.size(0) == 1) {
@@ -516,6 +552,10 @@ class OneOmpThread {
  public:
   OneOmpThread() {
 #ifdef _OPENMP
+    // ATen sets a thread's OpenMP count at its first parallel call there
+    // (at::internal::lazy_init_num_threads); get_num_threads makes that
+    // happen now, not later over the 1 set here.
+    at::get_num_threads();
     if (!omp_in_parallel()) {
       saved_ = omp_get_max_threads();
       if (saved_ > 1) {
@@ -542,15 +582,39 @@ bool onednn_products_available() {
   return kOneDnnHeldToOneThread && onednn_gemm_available();
 }
 
+int openblas_item_threads() {
+  const int threads = std::min(at::get_num_threads(), openblas_pool_threads());
+  return onednn_products_available() && threads >= 2 ? threads : 0;
+}
+
 namespace {
-std::atomic<int> spread_every_call{0};  // live SpreadEveryCall instances
+
+// Live SpreadEveryCall instances of each kind (ItemThreads' values).
+std::atomic<int> spread_every_call[3] = {0, 0, 0};
+
+/// True on this process while a loop runs on OpenBLAS's threads: a second
+/// one would wait for the first's workers (and spin meanwhile).
+std::atomic<bool> openblas_loop_running{false};
+
+#ifdef _OPENMP
+bool in_openmp_region() { return omp_in_parallel() != 0; }
+#else
+bool in_openmp_region() { return false; }
+#endif
+
 }  // namespace
 
-SpreadEveryCall::SpreadEveryCall() { ++spread_every_call; }
-SpreadEveryCall::~SpreadEveryCall() { --spread_every_call; }
+SpreadEveryCall::SpreadEveryCall(ItemThreads over) : over_(over) {
+  TORCH_INTERNAL_ASSERT(over != ItemThreads::kCaller,
+                        "SpreadEveryCall: kAten or kOpenBlas");
+  ++spread_every_call[static_cast<int>(over)];
+}
+SpreadEveryCall::~SpreadEveryCall() {
+  --spread_every_call[static_cast<int>(over_)];
+}
 
 bool spread_items(int64_t scores, int64_t keys) {
-  if (spread_every_call.load() > 0) {
+  if (spread_every_call[static_cast<int>(ItemThreads::kAten)].load() > 0) {
     return true;
   }
   if (scores <= kSpreadScores) {
@@ -559,13 +623,81 @@ bool spread_items(int64_t scores, int64_t keys) {
   return keys > kInOrderKeys || !openblas_workers_spin();
 }
 
+ItemThreads item_threads(int64_t scores, int64_t keys, bool onednn) {
+  const bool pool = onednn && openblas_pool_threads() >= 2;
+  if (pool &&
+      spread_every_call[static_cast<int>(ItemThreads::kOpenBlas)].load() > 0) {
+    return ItemThreads::kOpenBlas;
+  }
+  if (spread_every_call[static_cast<int>(ItemThreads::kAten)].load() == 0 &&
+      pool && scores >= kOpenBlasScores) {
+    return ItemThreads::kOpenBlas;
+  }
+  return spread_items(scores, keys) ? ItemThreads::kAten : ItemThreads::kCaller;
+}
+
+namespace {
+
+/// Runs the items on OpenBLAS's threads (for_each_item's kOpenBlas) and
+/// returns how many threads did, or 0, running nothing, where that cannot
+/// be done now.
+int64_t items_on_openblas_threads(
+    int64_t items, int64_t scratch_elements,
+    const torch::TensorOptions& options,
+    const std::function<void(int64_t, torch::Tensor&)>& body) {
+  const int threads = std::min(at::get_num_threads(), openblas_pool_threads());
+  if (threads < 2 || items < 2 || at::in_parallel_region() ||
+      in_openmp_region() || openblas_loop_running.exchange(true)) {
+    return 0;
+  }
+  struct Running {
+    ~Running() { openblas_loop_running = false; }
+  } running;
+  std::atomic<int64_t> next{0};
+  const at::ThreadLocalState caller_state;
+  run_on_openblas_threads(threads, [&](int) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
+    const OneOmpThread one_thread;
+    auto scratch = at::empty({scratch_elements}, options);
+    try {
+      for (int64_t item = next++; item < items; item = next++) {
+        body(item, scratch);
+      }
+    } catch (...) {
+      next = items;  // the other threads take no further item
+      throw;
+    }
+  });
+  return threads;
+}
+
+}  // namespace
+
+namespace {
+thread_local ItemThreads last_threads = ItemThreads::kCaller;
+}  // namespace
+
+ItemThreads last_item_threads() { return last_threads; }
+
 int64_t for_each_item(int64_t items, int64_t scratch_elements,
                       const torch::TensorOptions& options,
                       const std::function<void(int64_t, torch::Tensor&)>& body,
-                      bool spread, bool one_omp_thread) {
+                      ItemThreads where, bool one_omp_thread) {
+  last_threads = ItemThreads::kCaller;
+  if (where == ItemThreads::kOpenBlas) {
+    const auto used =
+        items_on_openblas_threads(items, scratch_elements, options, body);
+    if (used > 0) {
+      last_threads = ItemThreads::kOpenBlas;
+      return used;
+    }
+    // In order instead; the products are oneDNN's.
+    one_omp_thread = true;
+  }
   const int64_t threads = at::get_num_threads();
-  const bool parallel = spread && kParallelFor && threads > 1 &&
-                        items >= threads && !at::in_parallel_region() &&
+  const bool parallel = where == ItemThreads::kAten && kParallelFor &&
+                        threads > 1 && items >= threads &&
+                        !at::in_parallel_region() &&
                         SingleThreadedBlas::available();
   if (!parallel) {
     std::optional<OneOmpThread> one_thread;
@@ -576,6 +708,7 @@ int64_t for_each_item(int64_t items, int64_t scratch_elements,
     for (int64_t item = 0; item < items; ++item) {
       body(item, scratch);
     }
+    last_threads = ItemThreads::kCaller;
     return 1;
   }
   SingleThreadedBlas single_threaded_blas;
@@ -590,6 +723,7 @@ int64_t for_each_item(int64_t items, int64_t scratch_elements,
                        }
                      }
                    });
+  last_threads = ItemThreads::kAten;
   return threads;
 }
 
@@ -630,13 +764,16 @@ AttentionResult blocked_attention(
   const int64_t scores = score_count(query, S);
   spec.one_block =
       block_rows <= 0 && scores <= kOneBlockScores && L <= kOneBlockRows;
-  spec.spread = spread_items(scores, S);
-  // oneDNN's products where each runs on one core anyway: spread items, and
-  // small calls in order (kSpreadScores). Larger calls in order (where
-  // OpenBLAS's idle workers spin) keep BLAS's gemm on its own threads.
-  spec.onednn = query.is_cpu() && query.scalar_type() == torch::kFloat32 &&
-                onednn_products_available() &&
-                (spec.spread || scores <= kSpreadScores);
+  const bool onednn = query.is_cpu() &&
+                      query.scalar_type() == torch::kFloat32 &&
+                      onednn_products_available();
+  spec.threads = item_threads(scores, S, onednn);
+  // oneDNN's products where each runs on one core anyway: items spread
+  // over either pool, and small calls in order (kSpreadScores). Larger
+  // calls in order (where OpenBLAS's idle workers spin) keep BLAS's gemm on
+  // its own threads.
+  spec.onednn = onednn && (spec.threads != ItemThreads::kCaller ||
+                           scores <= kSpreadScores);
   if (kept == KeptWeights::kAuto) {
     // Kept while small (at most kOneBlockScores, 4 MiB of float32), so that
     // backward skips each block's scores GEMM and softmax. A block that

@@ -32,14 +32,13 @@ struct BlockedSpec {
   // The whole call is one block of every (n, h): batched ATen calls over
   // all heads instead of one work item per head (batched_forward).
   bool one_block = false;
-  // Spread the work items over ATen's threads (for_each_item); false for
-  // calls of at most kSpreadScores scores, which run in order on the
-  // calling thread with BLAS's own threads.
-  bool spread = true;
+  // Where the work items run (for_each_item, item_threads).
+  ItemThreads threads = ItemThreads::kAten;
   // The products through oneDNN (onednn_gemm_matrix, blas_gemm.h), each
-  // call on one thread: in ATen's parallel loop, or in order with the
-  // calling thread's OpenMP thread count held at 1. False: BLAS's gemm
+  // call on one thread: in a parallel loop, or in order with the calling
+  // thread's OpenMP thread count held at 1. False: BLAS's gemm
   // (gemm_matrix), on BLAS's own threads where the items run in order.
+  // Always true where threads is kOpenBlas.
   bool onednn = false;
 };
 
@@ -111,12 +110,28 @@ constexpr int64_t kOneBlockScores = int64_t{1} << 20;
 /// torch::nn's time in order against 0.37 spread.
 constexpr int64_t kSpreadScores = int64_t{1} << 20;
 
+/// Calls of at least kOpenBlasScores scores whose products can all go
+/// through oneDNN run their work items on OpenBLAS's threads
+/// (item_threads, attention_core.h), below that in order. Why: OpenBLAS's
+/// idle worker, woken by the in-projection, otherwise keeps a core that the
+/// items want (it spins there from OpenBLAS 0.3.27 on); on its own threads
+/// the items have both cores. Measured (mha-bench, 2 threads; docs/speed.md,
+/// "The blocked path's items on OpenBLAS's threads"): FILL.
+constexpr int64_t kOpenBlasScores = int64_t{1} << 15;
+
 /// Whether blocked_attention's float32 calls can make their products
 /// through oneDNN (onednn_gemm_matrix): it is loaded, and this build can
 /// hold it to one thread per call (ATen's loop is an OpenMP region and
 /// blocked_attention.cpp is compiled with OpenMP). Which calls do:
 /// BlockedSpec::onednn.
 bool onednn_products_available();
+
+/// How many of OpenBLAS's threads run the work items of blocked_attention's
+/// calls of at least kOpenBlasScores scores now: min(at::get_num_threads(),
+/// openblas_pool_threads()) where onednn_products_available() and that is
+/// at least 2, otherwise 0 (the items then run on ATen's threads or in
+/// order: spread_items). For reports such as mha-bench's.
+int openblas_item_threads();
 
 /// In place on p (..., rows, cols): the columns outside each row's `limits`
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes

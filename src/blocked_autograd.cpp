@@ -33,7 +33,7 @@ void save_spec(torch::autograd::AutogradContext* ctx, const BlockedSpec& spec) {
   data["block_rows"] = spec.block_rows;
   data["keep_weights"] = spec.keep_weights;
   data["one_block"] = spec.one_block;
-  data["spread"] = spec.spread;
+  data["threads"] = static_cast<int64_t>(spec.threads);
   data["onednn"] = spec.onednn;
 }
 
@@ -55,7 +55,7 @@ BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
   spec.block_rows = data.at("block_rows").toInt();
   spec.keep_weights = data.at("keep_weights").toBool();
   spec.one_block = data.at("one_block").toBool();
-  spec.spread = data.at("spread").toBool();
+  spec.threads = static_cast<ItemThreads>(data.at("threads").toInt());
   spec.onednn = data.at("onednn").toBool();
   return spec;
 }

@@ -58,7 +58,7 @@ expect_exit(0 --quick --json ${WORK_DIR}/bench.json)
 set(quick_output "${last_output}")
 file(READ ${WORK_DIR}/bench.json json)
 foreach(key cpu_model blas libtorch intra_op_threads omp_wait_policy
-            openblas_num_threads_env blocked_gemm)
+            openblas_num_threads_env blocked_gemm blocked_items)
   string(JSON value GET "${json}" environment ${key})
   if(value STREQUAL "")
     message(FATAL_ERROR "environment.${key} is empty")

@@ -1332,12 +1332,243 @@ TEST(ForEachItem, SmallCallsRunInOrderOnTheCallingThread) {
         thread_ids.insert(std::this_thread::get_id());
         blas_inside.insert(mha::detail::openblas_threads());
       },
-      /*spread=*/false);
+      mha::detail::ItemThreads::kCaller);
   at::set_num_threads(saved);
   EXPECT_EQ(used, 1);
   EXPECT_EQ(order, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6}));
   EXPECT_EQ(thread_ids, std::set<std::thread::id>{std::this_thread::get_id()});
   EXPECT_EQ(blas_inside, std::set<int>{blas_before});
+}
+
+// run_on_openblas_threads: every task once, task 0 on the calling thread
+// and the others on OpenBLAS's own workers, an exception passed on. Where
+// the loaded BLAS is OpenBLAS's pthreads build with two or more threads
+// (this project's machines), the pool is there.
+TEST(OpenBlasThreads, RunsEveryTaskOnceTheFirstOnTheCallingThread) {
+  const int pool = mha::detail::openblas_pool_threads();
+  if (mha::detail::SingleThreadedBlas::available() &&
+      mha::detail::openblas_threads() >= 2) {
+    EXPECT_EQ(pool, mha::detail::openblas_threads());
+  }
+  if (pool < 2) {
+    GTEST_SKIP() << "no OpenBLAS pthreads pool of two or more threads here";
+  }
+  std::vector<std::atomic<int>> runs(2);
+  std::vector<std::thread::id> ids(2);
+  mha::detail::run_on_openblas_threads(2, [&](int t) {
+    runs[static_cast<size_t>(t)]++;
+    ids[static_cast<size_t>(t)] = std::this_thread::get_id();
+  });
+  EXPECT_EQ(runs[0].load(), 1);
+  EXPECT_EQ(runs[1].load(), 1);
+  EXPECT_EQ(ids[0], std::this_thread::get_id());
+  EXPECT_NE(ids[1], std::this_thread::get_id());
+  EXPECT_THROW(mha::detail::run_on_openblas_threads(
+                   2,
+                   [](int t) {
+                     if (t == 1) {
+                       throw std::runtime_error("task 1");
+                     }
+                   }),
+               std::runtime_error);
+  // OpenBLAS still works after the exception.
+  auto a = torch::randn({300, 300}, torch::kFloat64);
+  expect_close(a.mm(a), torch::matmul(a, a), 1e-9, 1e-12, "gemm after");
+}
+
+// for_each_item on OpenBLAS's threads: every item once, the caller's grad
+// mode and an OpenMP count of 1 on every thread, exceptions passed on; in
+// order inside a parallel region and inside another such loop (which
+// would otherwise wait for its own worker).
+TEST(ForEachItem, OnOpenBlasThreadsVisitsEveryItemOnce) {
+  using mha::detail::ItemThreads;
+  using mha::detail::last_item_threads;
+  const IntraOpThreads set_threads(2);
+  if (mha::detail::openblas_pool_threads() < 2) {
+    GTEST_SKIP() << "no OpenBLAS pthreads pool of two or more threads here";
+  }
+  constexpr int64_t kItems = 9;
+  std::vector<std::atomic<int>> visits(kItems);
+  std::mutex mutex;
+  std::set<std::thread::id> thread_ids;
+  std::set<int> omp_threads;
+  std::atomic<bool> grad_enabled{false};
+  int64_t used = 0;
+  {
+    torch::NoGradGuard no_grad;
+    used = mha::detail::for_each_item(
+        kItems, 3, torch::TensorOptions(),
+        [&](int64_t item, torch::Tensor& scratch) {
+          EXPECT_EQ(scratch.numel(), 3);
+          visits[static_cast<size_t>(item)]++;
+          if (torch::GradMode::is_enabled()) {
+            grad_enabled = true;
+          }
+          // Some work, so that the worker takes items too.
+          auto x = torch::randn({64, 64});
+          (x * x).sum().item<float>();
+          std::lock_guard<std::mutex> lock(mutex);
+          thread_ids.insert(std::this_thread::get_id());
+          omp_threads.insert(at::get_num_threads());
+        },
+        ItemThreads::kOpenBlas);
+  }
+  EXPECT_EQ(used, 2);
+  EXPECT_EQ(last_item_threads(), ItemThreads::kOpenBlas);
+  for (int64_t i = 0; i < kItems; ++i) {
+    EXPECT_EQ(visits[static_cast<size_t>(i)].load(), 1) << "item " << i;
+  }
+  EXPECT_FALSE(grad_enabled.load()) << "the caller's NoGradGuard was lost";
+  EXPECT_LE(thread_ids.size(), size_t{2});
+  EXPECT_EQ(omp_threads, std::set<int>{1});
+  EXPECT_EQ(at::get_num_threads(), 2) << "the caller's count not restored";
+
+  // Nested: the inner loop runs in order on its thread.
+  std::atomic<int64_t> inner_used{0};
+  std::atomic<int> inner_visits{0};
+  mha::detail::for_each_item(
+      2, 1, torch::TensorOptions(),
+      [&](int64_t, torch::Tensor&) {
+        inner_used += mha::detail::for_each_item(
+            3, 1, torch::TensorOptions(),
+            [&](int64_t, torch::Tensor&) { inner_visits++; },
+            ItemThreads::kOpenBlas);
+      },
+      ItemThreads::kOpenBlas);
+  EXPECT_EQ(inner_used.load(), 2);
+  EXPECT_EQ(inner_visits.load(), 6);
+
+  // Inside ATen's parallel region (a loop over ATen's threads; this file's
+  // at::parallel_for is not compiled with OpenMP): in order.
+  std::atomic<int64_t> region_used{0};
+  const auto aten_used = mha::detail::for_each_item(
+      2, 1, torch::TensorOptions(),
+      [&](int64_t, torch::Tensor&) {
+        region_used += mha::detail::for_each_item(
+            2, 1, torch::TensorOptions(), [](int64_t, torch::Tensor&) {},
+            ItemThreads::kOpenBlas);
+      },
+      ItemThreads::kAten);
+  if (aten_used == 2) {
+    EXPECT_EQ(region_used.load(), 2);
+  }
+
+  EXPECT_THROW(mha::detail::for_each_item(
+                   4, 1, torch::TensorOptions(),
+                   [](int64_t item, torch::Tensor&) {
+                     if (item == 3) {
+                       throw std::runtime_error("item 3");
+                     }
+                   },
+                   ItemThreads::kOpenBlas),
+               std::runtime_error);
+  // The next loop still gets the threads.
+  EXPECT_EQ(mha::detail::for_each_item(
+                2, 1, torch::TensorOptions(), [](int64_t, torch::Tensor&) {},
+                ItemThreads::kOpenBlas),
+            2);
+}
+
+// The blocked path on OpenBLAS's threads computes every item as it does in
+// order (oneDNN's products, one thread each), so its results are the same
+// bits: forward (output, weights) and backward (dq, dk, dv), with kept and
+// recomputed weights, causal and masked, per-head and averaged weights, an
+// expanded upstream gradient (out.sum(): copied once for oneDNN), and a
+// query oneDNN cannot take as it is (both strides above 1: in order).
+TEST(ForEachItem, BlockedPathOnOpenBlasThreadsEqualsInOrderBitForBit) {
+  using mha::detail::ItemThreads;
+  using mha::detail::KeptWeights;
+  using mha::detail::WeightsMode;
+  if (!mha::detail::onednn_products_available() ||
+      mha::detail::openblas_pool_threads() < 2) {
+    GTEST_SKIP() << "needs oneDNN's products and an OpenBLAS pthreads pool";
+  }
+  torch::manual_seed(3);
+  const int64_t N = 2, H = 3, L = 40, S = 56, D = 8;
+  auto mask = torch::randn({N, 1, L, S})
+                  .masked_fill_(torch::rand({N, 1, L, S}).lt(0.2), -INFINITY);
+  struct Case {
+    std::string name;
+    bool causal;
+    torch::Tensor mask;
+    WeightsMode weights;
+    KeptWeights kept;
+    bool sum_loss;
+    bool strided_query;
+  };
+  const std::vector<Case> cases = {
+      {"plain",
+       false,
+       {},
+       WeightsMode::kNone,
+       KeptWeights::kAuto,
+       false,
+       false},
+      {"causal, recomputed",
+       true,
+       {},
+       WeightsMode::kNone,
+       KeptWeights::kNever,
+       false,
+       false},
+      {"mask, per head", false, mask, WeightsMode::kPerHead,
+       KeptWeights::kAlways, false, false},
+      {"causal, averaged, sum",
+       true,
+       {},
+       WeightsMode::kAverage,
+       KeptWeights::kNever,
+       true,
+       false},
+      {"strided query",
+       false,
+       {},
+       WeightsMode::kNone,
+       KeptWeights::kAuto,
+       false,
+       true},
+  };
+  const auto q0 = torch::randn({N, H, L, 2 * D}),
+             k0 = torch::randn({N, H, S, D}), v0 = torch::randn({N, H, S, D});
+  const auto grad = torch::randn({N, H, L, D});
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<torch::Tensor> results[2];
+    ItemThreads used[2] = {ItemThreads::kCaller, ItemThreads::kCaller};
+    for (int pool = 0; pool < 2; ++pool) {
+      const IntraOpThreads set_threads(pool == 1 ? 2 : 1,
+                                       ItemThreads::kOpenBlas);
+      // (N, H, L, D): every other column of q0 when strided, else a copy.
+      auto q = (c.strided_query ? q0.slice(3, 0, 2 * D, 2)
+                                : q0.slice(3, 0, D).contiguous())
+                   .detach()
+                   .requires_grad_(true);
+      auto k = k0.clone().requires_grad_(true);
+      auto v = v0.clone().requires_grad_(true);
+      mha::detail::KeyPositions positions(c.causal);
+      auto r = mha::detail::blocked_attention(q, k, v, c.mask, positions, 0.3,
+                                              c.weights, 16, c.kept);
+      used[pool] = mha::detail::last_item_threads();
+      auto loss = c.sum_loss ? r.output.sum() : (r.output * grad).sum();
+      if (r.weights.defined()) {
+        loss = loss + (r.weights * r.weights).sum();
+      }
+      loss.backward();
+      results[pool] = {r.output, q.grad(), k.grad(), v.grad()};
+      if (r.weights.defined()) {
+        results[pool].push_back(r.weights);
+      }
+    }
+    EXPECT_EQ(used[0], ItemThreads::kCaller);
+    EXPECT_EQ(used[1],
+              c.strided_query ? ItemThreads::kCaller : ItemThreads::kOpenBlas);
+    ASSERT_EQ(results[0].size(), results[1].size());
+    for (size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_TRUE(torch::equal(results[0][i], results[1][i]))
+          << "result " << i << " differs by "
+          << (results[0][i] - results[1][i]).abs().max().item<double>();
+    }
+  }
 }
 
 // The release number comes from openblas_get_config()'s opening words, and

@@ -50,14 +50,17 @@ inline void expect_close(const torch::Tensor& actual,
 
 /// Sets ATen's intra-op thread count (at::set_num_threads) for a scope;
 /// with more than one, the blocked attention core spreads calls of every
-/// size over them (SpreadEveryCall), so that the tests' small inputs cover
-/// its parallel loop.
+/// size over ATen's threads, or over OpenBLAS's where `over` says so and
+/// it can (SpreadEveryCall), so that the tests' small inputs cover its
+/// parallel loops.
 class IntraOpThreads {
  public:
-  explicit IntraOpThreads(int threads) : saved_(at::get_num_threads()) {
+  explicit IntraOpThreads(int threads, mha::detail::ItemThreads over =
+                                           mha::detail::ItemThreads::kAten)
+      : saved_(at::get_num_threads()) {
     at::set_num_threads(threads);
     if (threads > 1) {
-      spread_.emplace();
+      spread_.emplace(over);
     }
   }
   ~IntraOpThreads() { at::set_num_threads(saved_); }

@@ -382,6 +382,10 @@ Environment read_environment(const Settings& settings,
   env.blocked_gemm = mha::detail::onednn_products_available()
                          ? mha::detail::onednn_gemm_version()
                          : "BLAS";
+  const int item_threads = mha::detail::openblas_item_threads();
+  env.blocked_items = item_threads >= 2
+                          ? fmt::format("OpenBLAS's {} threads", item_threads)
+                          : std::string("ATen's threads or in order");
   env.coretype = mha::tools::env_or_unset("OPENBLAS_CORETYPE");
   env.memory_text =
       settings.memory == MemoryMethod::kClearRefs
@@ -421,8 +425,11 @@ void print_environment(Environment& env, const Args& args,
                 env.openblas_workers_spin && args.device_name == "cpu"
                     ? fmt::format(
                           "; idle workers spin: mha runs calls of <= {} keys "
-                          "in order on the blocked path",
-                          mha::detail::kInOrderKeys)
+                          "on the blocked path{}",
+                          mha::detail::kInOrderKeys,
+                          mha::detail::openblas_item_threads() >= 2
+                              ? ""
+                              : ", their items in order")
                     : "")
           : "");
   if (args.device_name == "cpu") {
@@ -433,6 +440,14 @@ void print_environment(Environment& env, const Args& args,
             ? "'s gemm"
             : "'s dnnl_sgemm, one thread each (in order: calls of <= 2^20 "
               "scores, or spread); BLAS's gemm otherwise");
+    fmt::print(
+        "Items:     the blocked path's work items on {}{}\n", env.blocked_items,
+        mha::detail::openblas_item_threads() >= 2
+            ? fmt::format(" (calls of at least {} scores whose products "
+                          "are all oneDNN's), else in order or on ATen's "
+                          "threads",
+                          mha::detail::kOpenBlasScores)
+            : "");
   }
   fmt::print("LibTorch:  {}, device {}, dtype {}\n", mha::torch_version(),
              args.device_name, args.dtype_name);
@@ -644,6 +659,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
       {"openblas_core", env.openblas_core},
       {"openblas_workers_spin", env.openblas_workers_spin},
       {"blocked_gemm", env.blocked_gemm},
+      {"blocked_items", env.blocked_items},
       {"openblas_coretype_env", env.coretype},
       {"environment_set_by_mha_bench", env.runtime_note},
       {"omp_num_threads_env", env.omp_threads},

@@ -69,12 +69,17 @@ struct Environment {
   std::optional<std::string> openblas_config;  ///< nullopt: no OpenBLAS
   int openblas_threads = 0;
   /// mha::detail::openblas_workers_spin(): calls of at most kInOrderKeys
-  /// keys run in order and take the blocked path (src/attention_core.h)
+  /// keys take the blocked path, their items in order where they cannot
+  /// run on OpenBLAS's threads (src/attention_core.h)
   bool openblas_workers_spin = false;
   /// What computes the blocked path's float32 products:
   /// mha::detail::onednn_gemm_version() ("oneDNN X.Y.Z") where
   /// onednn_products_available(), otherwise "BLAS".
   std::string blocked_gemm;
+  /// Where the blocked path's work items run (large enough calls):
+  /// "OpenBLAS's N threads" where mha::detail::openblas_item_threads() is N
+  /// >= 2, otherwise "ATen's threads or in order".
+  std::string blocked_items;
   std::string memory_text, reps_text;
   Gemm gemm;  ///< set by print_environment
 };
