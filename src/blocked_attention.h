@@ -119,8 +119,9 @@ constexpr int64_t kSpreadScores = int64_t{1} << 20;
 /// "The blocked path's items on OpenBLAS's threads"): mha-bench, mha /
 /// torch::nn at (2, 128, 256, 4) forward+backward, in order -> OpenBLAS's
 /// threads, 0.82-0.83 -> 0.73-0.74 (LibTorch 1.13) and 0.86 -> 0.76
-/// (2.14); every cell of the larger rows took 8-34 % less time on 2.14,
-/// and on 1.13 less or the same within the noise but one (+4 %). Below
+/// (2.14); the larger rows' cells 6-31 % less time on 2.14 (two cells'
+/// runs overlapping), and on 1.13 less or the same within the noise but
+/// one (+4 %). Below
 /// 2^15 the gain shrinks while waking a sleeping worker costs more: the
 /// core alone at (1, 4, L, 64), no BLAS call before it, in order against
 /// OpenBLAS's threads: L = 64 (2^14 scores) 63 -> 70 µs, L = 96 123 -> 97

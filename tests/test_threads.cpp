@@ -157,8 +157,12 @@ class ThreadsTest : public ::testing::TestWithParam<Setting> {
 };
 
 // intra_op 1: the blocked core runs its blocks in order, BLAS keeps its own
-// threads. intra_op 2, "_spread": the blocked core runs its parallel loop
-// (without "_spread" these small calls run in order), which sets
+// threads. intra_op 2 and OpenBLAS at 2 without "_spread": float32 calls of
+// at least 2^15 scores (L = 64 and 300) run their blocks on OpenBLAS's own
+// threads, one such loop in the process at a time, the others meanwhile in
+// order (the same bits). intra_op 2, "_spread": the blocked core runs its
+// parallel loop over ATen's threads (otherwise the smaller calls run in
+// order), which sets
 // the process's OpenBLAS (pthreads build) to one thread while it runs
 // (blas_threads.h). OpenBLAS's float32 GEMM rounds differently on 1 and 2
 // threads at these sizes (measured: calls with L >= 64 differed in the
