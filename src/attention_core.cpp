@@ -179,8 +179,9 @@ AttentionPath choose_path(const AttentionCall& call) {
   //    h / (H / Hkv) in place, where the others need each copied per query
   //    head (repeat_kv); and for small and large calls
   //    (kBlockedFirstScores, kBlockedLargeScores), and for calls of at
-  //    most kInOrderKeys keys where BLAS's workers spin, where it was
-  //    measured faster than the fused kernel;
+  //    most kInOrderKeys keys where BLAS's workers spin, and for float32
+  //    calls whose items run on OpenBLAS's threads, where it was measured
+  //    faster than the fused kernel;
   // 2. fused: LibTorch's kernel, the fastest where it meets the semantics
   //    (on CPU: at the sizes between those two);
   // 3. blocked;
@@ -189,7 +190,10 @@ AttentionPath choose_path(const AttentionCall& call) {
   const bool large = call.scores >= kBlockedLargeScores;
   const bool in_order =
       call.blas_workers_spin && call.key_length <= kInOrderKeys;
-  if ((call.grouped || small || large || in_order) && blocked_applies(call)) {
+  const bool on_openblas =
+      call.items_on_openblas && call.dtype == torch::kFloat32;
+  if ((call.grouped || small || large || in_order || on_openblas) &&
+      blocked_applies(call)) {
     return AttentionPath::kBlocked;
   }
   if (fused_applies(call)) {

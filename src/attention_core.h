@@ -103,6 +103,13 @@ const char* to_string(AttentionPath path);
 /// blocked_attention count.
 int64_t score_count(const torch::Tensor& query, int64_t key_length);
 
+/// How many of OpenBLAS's threads run the work items of blocked_attention's
+/// float32 calls of at least kOpenBlasScores scores (blocked_attention.h)
+/// now: min(at::get_num_threads(), openblas_pool_threads()) where
+/// onednn_products_available() and that is at least 2, otherwise 0 (the
+/// items then run on ATen's threads or in order: spread_items).
+int openblas_item_threads();
+
 /// What choose_path looks at: the properties of one call, never its data.
 struct AttentionCall {
   torch::DeviceType device = torch::kCPU;
@@ -123,6 +130,10 @@ struct AttentionCall {
   /// The loaded BLAS keeps its idle workers spinning after a call
   /// (openblas_workers_spin(), blas_threads.h); a field for the same reasons.
   bool blas_workers_spin = openblas_workers_spin();
+  /// The blocked path runs the items of large enough float32 calls on
+  /// OpenBLAS's threads (openblas_item_threads() >= 2); a field for the
+  /// same reasons.
+  bool items_on_openblas = openblas_item_threads() >= 2;
 
   /// The properties of attention_core's arguments.
   static AttentionCall of(const torch::Tensor& query, const torch::Tensor& key,
@@ -189,7 +200,8 @@ bool blocked_applies(const AttentionCall& call);
 /// The path attention_core takes: the first that applies of
 /// 1. blocked, when key/value heads are grouped (read in place there), the
 /// call has at most kBlockedFirstScores or at least kBlockedLargeScores
-/// scores, or at most kInOrderKeys keys where BLAS's workers spin;
+/// scores, at most kInOrderKeys keys where BLAS's workers spin, or is
+/// float32 with its items on OpenBLAS's threads (items_on_openblas);
 /// 2. fused; 3. blocked; 4. explicit.
 /// One exception depends on data, not on the call: on CPU a fused result
 /// holding NaN (a score that overflowed to +inf at a blocked key) is

@@ -136,13 +136,6 @@ constexpr int64_t kOpenBlasScores = int64_t{1} << 15;
 /// BlockedSpec::onednn.
 bool onednn_products_available();
 
-/// How many of OpenBLAS's threads run the work items of blocked_attention's
-/// calls of at least kOpenBlasScores scores now: min(at::get_num_threads(),
-/// openblas_pool_threads()) where onednn_products_available() and that is
-/// at least 2, otherwise 0 (the items then run on ATen's threads or in
-/// order: spread_items). For reports such as mha-bench's.
-int openblas_item_threads();
-
 /// In place on p (..., rows, cols): the columns outside each row's `limits`
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes
 /// and CPUs without fused_softmax_rows).

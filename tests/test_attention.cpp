@@ -1752,6 +1752,7 @@ std::vector<PathRow> path_rows() {
     c.query_length = c.key_length = 2048;
     c.scores = 2048 * 2048;  // N = H = 1
     c.blas_workers_spin = false;
+    c.items_on_openblas = false;
     configure(c);
     return c;
   };
@@ -1802,6 +1803,23 @@ std::vector<PathRow> path_rows() {
       {"cuda f32 S = kInOrderKeys, BLAS workers spin", call([&](auto& c) {
          in_order_keys(c);
          c.blas_workers_spin = true;
+         c.device = torch::kCUDA;
+       }),
+       "explicit", "fused"},
+      {"cpu f32, items on OpenBLAS's threads",
+       call([](auto& c) { c.items_on_openblas = true; }), "blocked", "blocked"},
+      {"cpu f64, items on OpenBLAS's threads", call([](auto& c) {
+         c.items_on_openblas = true;
+         c.dtype = torch::kFloat64;
+       }),
+       "blocked", "fused"},
+      {"cpu f32 dropout, items on OpenBLAS's threads", call([](auto& c) {
+         c.items_on_openblas = true;
+         c.dropout_p = 0.1;
+       }),
+       "explicit", "fused"},
+      {"cuda f32, items on OpenBLAS's threads", call([](auto& c) {
+         c.items_on_openblas = true;
          c.device = torch::kCUDA;
        }),
        "explicit", "fused"},
@@ -1936,6 +1954,8 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   EXPECT_EQ(AttentionCall().fused_available, fused);
   const bool spin = mha::detail::openblas_workers_spin();
   EXPECT_EQ(AttentionCall().blas_workers_spin, spin);
+  const bool openblas = mha::detail::openblas_item_threads() >= 2;
+  EXPECT_EQ(AttentionCall().items_on_openblas, openblas);
   auto q = torch::randn({2, 4, 5, 8});
   // Just over kBlockedFirstScores scores: a mid-sized call (also with
   // kInOrderKeys keys); and exactly kBlockedLargeScores (4096 x 8192): a
@@ -1955,9 +1975,11 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   const std::vector<Call> calls = {
       {"plain, small", q, q, false, 0.0, "blocked"},
       {"plain, mid-sized", q_mid, q_mid, false, 0.0,
-       fused ? "fused" : "blocked"},
+       fused && !openblas ? "fused" : "blocked"},
       {"plain, mid-sized, kInOrderKeys keys", q_mid, q_mid.narrow(2, 0, 1024),
-       false, 0.0, fused && !spin ? "fused" : "blocked"},
+       false, 0.0, fused && !spin && !openblas ? "fused" : "blocked"},
+      {"float64, mid-sized", q_mid.to(torch::kFloat64),
+       q_mid.to(torch::kFloat64), false, 0.0, fused ? "fused" : "blocked"},
       {"plain, large", q_large, k_large, false, 0.0, "blocked"},
       {"weights", q, q, true, 0.0, "blocked"},
       {"dropout", q, q, false, 0.5, fused ? "fused" : "explicit"},
@@ -1979,14 +2001,16 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
   // A score that overflows to +inf at a blocked key: the fused kernel gives
   // NaN there, so the call is recomputed on the path chosen without it (a
-  // mid-sized call: small and large ones take the blocked path first).
+  // mid-sized float64 call: small and large ones, and float32 ones whose
+  // items run on OpenBLAS's threads, take the blocked path first).
   const int64_t S = mha::detail::kBlockedFirstScores / 2 + 1;
-  auto k = torch::randn({1, S, 4});
-  k.select(1, 2).fill_(3e38f);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  auto k = torch::randn({1, S, 4}, f64);
+  k.select(1, 2).fill_(1e308);
   auto blocked = torch::zeros({2, S}, torch::kBool);
   blocked.select(1, 2).fill_(true);
   auto [out, w] = mha::scaled_dot_product_attention(
-      torch::ones({1, 2, 4}), k, torch::randn({1, S, 2}), blocked);
+      torch::ones({1, 2, 4}, f64), k, torch::randn({1, S, 2}, f64), blocked);
   EXPECT_FALSE(has_nan(out));
   EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
 }
