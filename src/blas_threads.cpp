@@ -221,9 +221,11 @@ int openblas_pool_threads() {
 
 void run_on_openblas_threads(int threads,
                              const std::function<void(int)>& task) {
-  TORCH_INTERNAL_ASSERT(threads >= 2 && threads <= openblas_pool_threads(),
-                        "run_on_openblas_threads: ", threads,
-                        " threads, OpenBLAS has ", openblas_pool_threads());
+  // Not checked against openblas_pool_threads() again: another thread's
+  // SingleThreadedBlas may have set the count to 1 since the caller read
+  // it, and OpenBLAS keeps the workers it has made.
+  TORCH_INTERNAL_ASSERT(threads >= 2 && OpenBlas::instance().pthread_tasks,
+                        "run_on_openblas_threads: ", threads, " threads");
   std::vector<PoolTask> tasks(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t) {
     tasks[static_cast<size_t>(t)].task = &task;

@@ -128,7 +128,9 @@ int openblas_pool_threads();
 /// API): t = 0 on the calling thread, the others on OpenBLAS's own worker
 /// threads, and returns when every task has ended. An exception a task
 /// throws is caught on its thread; the first is rethrown here after all
-/// have ended. Needs 2 <= threads <= openblas_pool_threads().
+/// have ended. Needs 2 <= threads <= a count openblas_pool_threads()
+/// returned (OpenBLAS keeps the workers it has made when its count is
+/// lowered later).
 ///
 /// A task must not call BLAS: on a worker, OpenBLAS would queue that call's
 /// share to the workers, among them the one running the call, and wait for
