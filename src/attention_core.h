@@ -291,7 +291,7 @@ enum class ItemThreads : int64_t {
 
 /// Calls body(item, scratch) for every item in [0, items), where scratch is
 /// a tensor of `scratch_elements` with `options` for the calling thread's
-/// use, on the threads `threads` names:
+/// use, on the threads `where` names:
 /// - kAten where there are several, items >= threads, this is not already
 ///   a parallel region, and the BLAS can run single threaded on each
 ///   (blas_threads.h): thread t of T takes items t, t + T, ..., so that
@@ -312,7 +312,7 @@ enum class ItemThreads : int64_t {
 int64_t for_each_item(int64_t items, int64_t scratch_elements,
                       const torch::TensorOptions& options,
                       const std::function<void(int64_t, torch::Tensor&)>& body,
-                      ItemThreads threads = ItemThreads::kAten,
+                      ItemThreads where = ItemThreads::kAten,
                       bool one_omp_thread = false);
 
 /// Where the calling thread's latest for_each_item ran its items (kCaller

@@ -877,10 +877,15 @@ TEST_F(ScaledDotProductAttentionTest, FusedPathTakes3DAnd2DInputs) {
 TEST_F(ScaledDotProductAttentionTest, BlockedPathEqualsExplicitPath) {
   using mha::detail::WeightsMode;
   const int64_t N = 2, H = 3, E = 4;
-  // 1 thread: blocks in order; 2 and 3: blocks spread over threads where
-  // the BLAS allows it (ForEachItem below), including uneven shares.
-  for (int threads : {1, 2, 3}) {
-    const IntraOpThreads set_threads(threads);
+  // 1 thread: blocks in order; 2 and 3: blocks spread over ATen's threads
+  // where the BLAS allows it (ForEachItem below), including uneven shares;
+  // and 2 on OpenBLAS's threads where float32 products are oneDNN's.
+  using mha::detail::ItemThreads;
+  for (auto [threads, over] : {std::pair{1, ItemThreads::kAten},
+                               {2, ItemThreads::kAten},
+                               {3, ItemThreads::kAten},
+                               {2, ItemThreads::kOpenBlas}}) {
+    const IntraOpThreads set_threads(threads, over);
     // Backward with the weights forward kept, and recomputing them.
     for (auto kept : {mha::detail::KeptWeights::kAlways,
                       mha::detail::KeptWeights::kNever}) {
@@ -899,7 +904,10 @@ TEST_F(ScaledDotProductAttentionTest, BlockedPathEqualsExplicitPath) {
                     c.name + ", " + std::string(c10::toString(dtype)) +
                     ", L=" + std::to_string(L) + ", S=" + std::to_string(S) +
                     ", block=" + std::to_string(block) + ", weights mode " +
-                    std::to_string(static_cast<int>(mode)));
+                    std::to_string(static_cast<int>(mode)) + ", " +
+                    std::to_string(threads) +
+                    (over == ItemThreads::kOpenBlas ? " OpenBLAS" : " ATen") +
+                    " threads");
                 auto opts = torch::TensorOptions().dtype(dtype);
                 auto q = torch::randn({N, H, L, E}, opts);
                 auto k = torch::randn({N, H, S, E}, opts);
@@ -1047,14 +1055,18 @@ TEST_F(ScaledDotProductAttentionTest, GroupedKeyValueHeadsOnEveryPath) {
           WeightsMode::kPerHead);
     });
     std::vector<std::pair<std::string, std::vector<torch::Tensor>>> paths;
-    for (int threads : {1, 2}) {
-      const IntraOpThreads set_threads(threads);
+    for (auto [threads, over] : {std::pair{1, mha::detail::ItemThreads::kAten},
+                                 {2, mha::detail::ItemThreads::kAten},
+                                 {2, mha::detail::ItemThreads::kOpenBlas}}) {
+      const IntraOpThreads set_threads(threads, over);
       for (auto kept : {KeptWeights::kAlways, KeptWeights::kNever}) {
         // Blocks of 4 rows, and the default: one block of all heads.
         for (int64_t block : {4, 0}) {
           paths.emplace_back(
-              "blocked, " + std::to_string(threads) + " threads, block " +
-                  std::to_string(block) + ", weights " +
+              "blocked, " + std::to_string(threads) +
+                  (over == mha::detail::ItemThreads::kOpenBlas ? " OpenBLAS"
+                                                               : " ATen") +
+                  " threads, block " + std::to_string(block) + ", weights " +
                   (kept == KeptWeights::kAlways ? "kept" : "recomputed"),
               run([&](const torch::Tensor& qg, const torch::Tensor& kg,
                       const torch::Tensor& vg) {
@@ -1363,6 +1375,9 @@ TEST(OpenBlasThreads, RunsEveryTaskOnceTheFirstOnTheCallingThread) {
   EXPECT_EQ(runs[1].load(), 1);
   EXPECT_EQ(ids[0], std::this_thread::get_id());
   EXPECT_NE(ids[1], std::this_thread::get_id());
+  // A GEMM on OpenBLAS's threads, before and after a task throws there.
+  auto a = torch::randn({300, 300}, torch::kFloat64);
+  const auto before = a.mm(a);
   EXPECT_THROW(mha::detail::run_on_openblas_threads(
                    2,
                    [](int t) {
@@ -1371,9 +1386,7 @@ TEST(OpenBlasThreads, RunsEveryTaskOnceTheFirstOnTheCallingThread) {
                      }
                    }),
                std::runtime_error);
-  // OpenBLAS still works after the exception.
-  auto a = torch::randn({300, 300}, torch::kFloat64);
-  expect_close(a.mm(a), torch::matmul(a, a), 1e-9, 1e-12, "gemm after");
+  EXPECT_TRUE(torch::equal(a.mm(a), before)) << "OpenBLAS after the throw";
 }
 
 // for_each_item on OpenBLAS's threads: every item once, the caller's grad
