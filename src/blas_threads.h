@@ -9,6 +9,10 @@
 // (1, 4096, 512, 8) the loop ran 2-3x slower than with one BLAS thread per
 // call (measured here: LibTorch 1.13.1, OpenBLAS 0.3.21, 2 cores).
 //
+// It also runs loops that make no BLAS call on OpenBLAS's own threads
+// (run_on_openblas_threads), so that its idle workers do their work
+// instead of holding the cores beside them.
+//
 // The tools (mha-bench, mha-train) also come here for OpenBLAS's thread
 // count and the build and kernel names they print: every OpenBLAS symbol is
 // looked up in this one file (by name, so nothing links against OpenBLAS).

@@ -121,12 +121,11 @@ constexpr int64_t kSpreadScores = int64_t{1} << 20;
 /// threads, 0.82-0.83 -> 0.73-0.74 (LibTorch 1.13) and 0.86 -> 0.76
 /// (2.14); the larger rows' cells 6-31 % less time on 2.14 (two cells'
 /// runs overlapping), and on 1.13 less or the same within the noise but
-/// one (+4 %). Below
-/// 2^15 the gain shrinks while waking a sleeping worker costs more: the
-/// core alone at (1, 4, L, 64), no BLAS call before it, in order against
-/// OpenBLAS's threads: L = 64 (2^14 scores) 63 -> 70 µs, L = 96 123 -> 97
-/// µs, L = 128 266 -> 133 µs; after a 300 ms pause 430 -> 560 µs at L =
-/// 64, 571 -> 575 µs at L = 96.
+/// one (+4 %). Below 2^15 the gain shrinks while waking a sleeping worker
+/// costs more: the core alone at (1, 4, L, 64), no BLAS call before it,
+/// in order against OpenBLAS's threads: L = 64 (2^14 scores) 63 -> 70 µs,
+/// L = 96 123 -> 97 µs, L = 128 266 -> 133 µs; after a 300 ms pause
+/// 429 -> 559 µs at L = 64, 571 -> 575 µs at L = 96.
 constexpr int64_t kOpenBlasScores = int64_t{1} << 15;
 
 /// Whether blocked_attention's float32 calls can make their products
