@@ -330,8 +330,9 @@ bool spread_items(int64_t scores, int64_t keys);
 /// Where blocked_attention runs the work items of a call of `scores` scores
 /// and `keys` keys, `onednn` telling whether its products can all go
 /// through oneDNN: on OpenBLAS's threads where they can, the call has at
-/// least kOpenBlasScores scores (blocked_attention.h) and OpenBLAS has a
-/// pool of two or more (openblas_pool_threads); otherwise on ATen's where
+/// least kOpenBlasScores scores (blocked_attention.h) and two or more of
+/// OpenBLAS's threads can take them (openblas_item_threads, the same test
+/// as AttentionCall::items_on_openblas); otherwise on ATen's where
 /// spread_items says so, else in order. While a SpreadEveryCall lives,
 /// calls of every size go where it says (kOpenBlas only where `onednn`).
 ItemThreads item_threads(int64_t scores, int64_t keys, bool onednn);

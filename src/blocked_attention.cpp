@@ -582,8 +582,18 @@ bool onednn_products_available() {
   return kOneDnnHeldToOneThread && onednn_gemm_available();
 }
 
+namespace {
+
+/// The threads a loop on OpenBLAS's threads can have now: ATen's count (the
+/// caller's choice of cores) capped by OpenBLAS's.
+int openblas_loop_threads() {
+  return std::min(at::get_num_threads(), openblas_pool_threads());
+}
+
+}  // namespace
+
 int openblas_item_threads() {
-  const int threads = std::min(at::get_num_threads(), openblas_pool_threads());
+  const int threads = openblas_loop_threads();
   return onednn_products_available() && threads >= 2 ? threads : 0;
 }
 
@@ -624,7 +634,7 @@ bool spread_items(int64_t scores, int64_t keys) {
 }
 
 ItemThreads item_threads(int64_t scores, int64_t keys, bool onednn) {
-  const bool pool = onednn && openblas_pool_threads() >= 2;
+  const bool pool = onednn && openblas_item_threads() >= 2;
   if (pool &&
       spread_every_call[static_cast<int>(ItemThreads::kOpenBlas)].load() > 0) {
     return ItemThreads::kOpenBlas;
@@ -645,7 +655,7 @@ int64_t items_on_openblas_threads(
     int64_t items, int64_t scratch_elements,
     const torch::TensorOptions& options,
     const std::function<void(int64_t, torch::Tensor&)>& body) {
-  const int threads = std::min(at::get_num_threads(), openblas_pool_threads());
+  const int threads = openblas_loop_threads();
   if (threads < 2 || items < 2 || at::in_parallel_region() ||
       in_openmp_region() || openblas_loop_running.exchange(true)) {
     return 0;

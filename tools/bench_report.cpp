@@ -382,10 +382,11 @@ Environment read_environment(const Settings& settings,
   env.blocked_gemm = mha::detail::onednn_products_available()
                          ? mha::detail::onednn_gemm_version()
                          : "BLAS";
-  const int item_threads = mha::detail::openblas_item_threads();
-  env.blocked_items = item_threads >= 2
-                          ? fmt::format("OpenBLAS's {} threads", item_threads)
-                          : std::string("ATen's threads or in order");
+  env.item_threads = mha::detail::openblas_item_threads();
+  env.blocked_items =
+      env.item_threads >= 2
+          ? fmt::format("OpenBLAS's {} threads", env.item_threads)
+          : std::string("ATen's threads or in order");
   env.coretype = mha::tools::env_or_unset("OPENBLAS_CORETYPE");
   env.memory_text =
       settings.memory == MemoryMethod::kClearRefs
@@ -427,9 +428,7 @@ void print_environment(Environment& env, const Args& args,
                           "; idle workers spin: mha runs calls of <= {} keys "
                           "on the blocked path{}",
                           mha::detail::kInOrderKeys,
-                          mha::detail::openblas_item_threads() >= 2
-                              ? ""
-                              : ", their items in order")
+                          env.item_threads >= 2 ? "" : ", their items in order")
                     : "")
           : "");
   if (args.device_name == "cpu") {
@@ -442,7 +441,7 @@ void print_environment(Environment& env, const Args& args,
               "scores, or spread); BLAS's gemm otherwise");
     fmt::print(
         "Items:     the blocked path's work items on {}{}\n", env.blocked_items,
-        mha::detail::openblas_item_threads() >= 2
+        env.item_threads >= 2
             ? fmt::format(" (calls of at least {} scores whose products "
                           "are all oneDNN's), else in order or on ATen's "
                           "threads",

@@ -80,6 +80,7 @@ struct Environment {
   /// "OpenBLAS's N threads" where mha::detail::openblas_item_threads() is N
   /// >= 2, otherwise "ATen's threads or in order".
   std::string blocked_items;
+  int item_threads = 0;  ///< mha::detail::openblas_item_threads()
   std::string memory_text, reps_text;
   Gemm gemm;  ///< set by print_environment
 };
