@@ -1,25 +1,18 @@
 // Blocked attention, the CPU path of the attention core (attention_core.h):
 // for each (batch, head), query rows in blocks, the scores of one block at a
-// time in a reused per-thread buffer, blocks spread over ATen's threads.
+// time in a reused per-thread buffer, blocks spread over threads
+// (item_threads.cpp).
 //
 // Glossary: N batch, H heads (the two leading dims of 4-D inputs), L target
 // (query) length, S source (key) length, D and Dv the query/key and value
 // features, B the query rows of one block.
 #include "blocked_attention.h"
 
-#include <ATen/ThreadLocalState.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <initializer_list>
 #include <limits>
-#include <optional>
 #include <utility>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "blas_gemm.h"
 #include "blas_threads.h"
@@ -525,217 +518,6 @@ int64_t default_block_rows(int64_t L, int64_t S, bool causal, int64_t window) {
 }
 
 }  // namespace
-
-#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
-// at::parallel_for is inline: with ATen's OpenMP backend it runs in parallel
-// only in a translation unit compiled with OpenMP (CMakeLists.txt does that
-// where the compiler has it).
-constexpr bool kParallelFor = false;
-#else
-constexpr bool kParallelFor = true;
-#endif
-
-// oneDNN's products run on the caller's OpenMP team unless called inside a
-// parallel region: mha holds them to one thread only where ATen's loop is
-// an OpenMP parallel region and this file can set OpenMP's thread count.
-#if AT_PARALLEL_OPENMP && defined(_OPENMP)
-constexpr bool kOneDnnHeldToOneThread = true;
-#else
-constexpr bool kOneDnnHeldToOneThread = false;
-#endif
-
-/// While it lives, the calling thread's OpenMP thread count is 1 (its
-/// OpenMP parallel regions, ATen's loops among them, and oneDNN's calls run
-/// on this thread alone); the count it found is restored after. Does
-/// nothing inside a parallel region, or without OpenMP.
-class OneOmpThread {
- public:
-  OneOmpThread() {
-#ifdef _OPENMP
-    // ATen sets a thread's OpenMP count at its first parallel call there
-    // (at::internal::lazy_init_num_threads); get_num_threads makes that
-    // happen now, not later over the 1 set here.
-    at::get_num_threads();
-    if (!omp_in_parallel()) {
-      saved_ = omp_get_max_threads();
-      if (saved_ > 1) {
-        omp_set_num_threads(1);
-      }
-    }
-#endif
-  }
-  ~OneOmpThread() {
-#ifdef _OPENMP
-    if (saved_ > 1) {
-      omp_set_num_threads(saved_);
-    }
-#endif
-  }
-  OneOmpThread(const OneOmpThread&) = delete;
-  OneOmpThread& operator=(const OneOmpThread&) = delete;
-
- private:
-  int saved_ = 0;
-};
-
-bool onednn_products_available() {
-  return kOneDnnHeldToOneThread && onednn_gemm_available();
-}
-
-namespace {
-
-/// The threads a loop on OpenBLAS's threads can have now: ATen's count (the
-/// caller's choice of cores) capped by OpenBLAS's.
-int openblas_loop_threads() {
-  return std::min(at::get_num_threads(), openblas_pool_threads());
-}
-
-}  // namespace
-
-int openblas_item_threads() {
-  const int threads = openblas_loop_threads();
-  return onednn_products_available() && threads >= 2 ? threads : 0;
-}
-
-namespace {
-
-// Live SpreadEveryCall instances of each kind (ItemThreads' values).
-std::atomic<int> spread_every_call[3] = {0, 0, 0};
-
-/// True on this process while a loop runs on OpenBLAS's threads: a second
-/// one would wait for the first's workers (and spin meanwhile).
-std::atomic<bool> openblas_loop_running{false};
-
-#ifdef _OPENMP
-bool in_openmp_region() { return omp_in_parallel() != 0; }
-#else
-bool in_openmp_region() { return false; }
-#endif
-
-}  // namespace
-
-SpreadEveryCall::SpreadEveryCall(ItemThreads over) : over_(over) {
-  TORCH_INTERNAL_ASSERT(over != ItemThreads::kCaller,
-                        "SpreadEveryCall: kAten or kOpenBlas");
-  ++spread_every_call[static_cast<int>(over)];
-}
-SpreadEveryCall::~SpreadEveryCall() {
-  --spread_every_call[static_cast<int>(over_)];
-}
-
-bool spread_items(int64_t scores, int64_t keys) {
-  if (spread_every_call[static_cast<int>(ItemThreads::kAten)].load() > 0) {
-    return true;
-  }
-  if (scores <= kSpreadScores) {
-    return false;
-  }
-  return keys > kInOrderKeys || !openblas_workers_spin();
-}
-
-ItemThreads item_threads(int64_t scores, int64_t keys, bool onednn) {
-  const bool pool = onednn && openblas_item_threads() >= 2;
-  if (pool &&
-      spread_every_call[static_cast<int>(ItemThreads::kOpenBlas)].load() > 0) {
-    return ItemThreads::kOpenBlas;
-  }
-  if (spread_every_call[static_cast<int>(ItemThreads::kAten)].load() == 0 &&
-      pool && scores >= kOpenBlasScores) {
-    return ItemThreads::kOpenBlas;
-  }
-  return spread_items(scores, keys) ? ItemThreads::kAten : ItemThreads::kCaller;
-}
-
-namespace {
-
-/// Runs the items on OpenBLAS's threads (for_each_item's kOpenBlas) and
-/// returns how many threads did, or 0, running nothing, where that cannot
-/// be done now.
-int64_t items_on_openblas_threads(
-    int64_t items, int64_t scratch_elements,
-    const torch::TensorOptions& options,
-    const std::function<void(int64_t, torch::Tensor&)>& body) {
-  const int threads = openblas_loop_threads();
-  if (threads < 2 || items < 2 || at::in_parallel_region() ||
-      in_openmp_region() || openblas_loop_running.exchange(true)) {
-    return 0;
-  }
-  struct Running {
-    ~Running() { openblas_loop_running = false; }
-  } running;
-  std::atomic<int64_t> next{0};
-  const at::ThreadLocalState caller_state;
-  run_on_openblas_threads(threads, [&](int) {
-    at::ThreadLocalStateGuard state_guard(caller_state);
-    const OneOmpThread one_thread;
-    auto scratch = at::empty({scratch_elements}, options);
-    try {
-      for (int64_t item = next++; item < items; item = next++) {
-        body(item, scratch);
-      }
-    } catch (...) {
-      next = items;  // the other threads take no further item
-      throw;
-    }
-  });
-  return threads;
-}
-
-}  // namespace
-
-namespace {
-thread_local ItemThreads last_threads = ItemThreads::kCaller;
-}  // namespace
-
-ItemThreads last_item_threads() { return last_threads; }
-
-int64_t for_each_item(int64_t items, int64_t scratch_elements,
-                      const torch::TensorOptions& options,
-                      const std::function<void(int64_t, torch::Tensor&)>& body,
-                      ItemThreads where, bool one_omp_thread) {
-  last_threads = ItemThreads::kCaller;
-  if (where == ItemThreads::kOpenBlas) {
-    const auto used =
-        items_on_openblas_threads(items, scratch_elements, options, body);
-    if (used > 0) {
-      last_threads = ItemThreads::kOpenBlas;
-      return used;
-    }
-    // In order instead; the products are oneDNN's.
-    one_omp_thread = true;
-  }
-  const int64_t threads = at::get_num_threads();
-  const bool parallel = where == ItemThreads::kAten && kParallelFor &&
-                        threads > 1 && items >= threads &&
-                        !at::in_parallel_region() &&
-                        SingleThreadedBlas::available();
-  if (!parallel) {
-    std::optional<OneOmpThread> one_thread;
-    if (one_omp_thread) {
-      one_thread.emplace();
-    }
-    auto scratch = at::empty({scratch_elements}, options);
-    for (int64_t item = 0; item < items; ++item) {
-      body(item, scratch);
-    }
-    last_threads = ItemThreads::kCaller;
-    return 1;
-  }
-  SingleThreadedBlas single_threaded_blas;
-  const at::ThreadLocalState caller_state;
-  at::parallel_for(0, threads, /*grain_size=*/1,
-                   [&](int64_t begin, int64_t end) {
-                     at::ThreadLocalStateGuard state_guard(caller_state);
-                     auto scratch = at::empty({scratch_elements}, options);
-                     for (int64_t t = begin; t < end; ++t) {
-                       for (int64_t item = t; item < items; item += threads) {
-                         body(item, scratch);
-                       }
-                     }
-                   });
-  last_threads = ItemThreads::kAten;
-  return threads;
-}
 
 AttentionResult blocked_attention(
     const torch::Tensor& query, const torch::Tensor& key,

@@ -131,7 +131,7 @@ constexpr int64_t kOpenBlasScores = int64_t{1} << 15;
 /// Whether blocked_attention's float32 calls can make their products
 /// through oneDNN (onednn_gemm_matrix): it is loaded, and this build can
 /// hold it to one thread per call (ATen's loop is an OpenMP region and
-/// blocked_attention.cpp is compiled with OpenMP). Which calls do:
+/// item_threads.cpp is compiled with OpenMP). Which calls do:
 /// BlockedSpec::onednn.
 bool onednn_products_available();
 
