@@ -2153,10 +2153,10 @@ const std::vector<std::array<int64_t, 4>> kProjectionShapes{
 // detail::project without a gradient to record copies the bias rows itself
 // and makes addmm's BLAS call (gemm_matrix): its results must be at::addmm's
 // bit for bit, in both layouts it takes (batch-first, and the (N, T, F) view
-// of a seq-first tensor), with the packed weight's row slices the modules
-// pass, for empty shapes too (no rows, no outputs, no inputs), for an
-// output over 2^20 elements (its bias rows copied by ATen's parallel copy
-// instead), and the same as under autograd.
+// of a seq-first tensor, whose (T, N) rows addmm takes in place), with the
+// packed weight's row slices the modules pass, for empty shapes too (no rows,
+// no outputs, no inputs), for an output over 2^20 elements (its bias rows
+// copied by ATen's parallel copy instead), and the same as under autograd.
 TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
   torch::manual_seed(9);
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
@@ -2166,10 +2166,18 @@ TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
       const auto w = packed_w.narrow(0, 1, Fout);  // rows of a packed weight
       const auto b = torch::randn({Fout + 2}, opts).narrow(0, 2, Fout);
       for (const bool seq_first : {false, true}) {
-        const auto x = seq_first ? torch::randn({T, N, F}, opts).transpose(0, 1)
-                                 : torch::randn({N, T, F}, opts);
-        const auto expected =
-            at::addmm(b, x.reshape({N * T, F}), w.t()).view({N, T, Fout});
+        // A seq-first x keeps its rows where they are (torch::nn's linear
+        // on the (T, N, F) tensor): addmm of the same rows, viewed back. A
+        // GEMM's result may depend on a row's place in the call (OpenBLAS
+        // 0.3.21 on an AMD Zen 5 here), so the reference is the same call.
+        const auto x_rows = seq_first ? torch::randn({T, N, F}, opts)
+                                      : torch::randn({N, T, F}, opts);
+        const auto x = seq_first ? x_rows.transpose(0, 1) : x_rows;
+        auto expected = at::addmm(b, x_rows.reshape({N * T, F}), w.t())
+                            .view({x_rows.size(0), x_rows.size(1), Fout});
+        if (seq_first) {
+          expected = expected.transpose(0, 1);
+        }
         torch::Tensor without_grad;
         {
           const torch::NoGradGuard no_grad;
