@@ -87,6 +87,21 @@ endif()
 if(NOT gemm GREATER 0)
   message(FATAL_ERROR "GEMM ceiling ${gemm} GFLOP/s")
 endif()
+# oneDNN's dnnl_sgemm is timed where the blocked path's products use it (a
+# float32 CPU run), and the ceiling is the higher of the two products.
+string(JSON blocked_gemm GET "${json}" environment blocked_gemm)
+string(JSON onednn_gemm GET "${json}" environment gemm onednn_gflops)
+string(JSON ceiling GET "${json}" environment gemm ceiling_gflops)
+if(blocked_gemm MATCHES "^oneDNN" AND NOT onednn_gemm GREATER 0 OR
+   NOT blocked_gemm MATCHES "^oneDNN" AND NOT onednn_gemm EQUAL 0)
+  message(FATAL_ERROR "blocked_gemm ${blocked_gemm}: oneDNN's GEMM "
+          "${onednn_gemm} GFLOP/s")
+endif()
+if(onednn_gemm GREATER gemm AND NOT ceiling EQUAL onednn_gemm OR
+   NOT onednn_gemm GREATER gemm AND NOT ceiling EQUAL gemm)
+  message(FATAL_ERROR "ceiling ${ceiling} GFLOP/s, not the higher of "
+          "torch::mm's ${gemm} and oneDNN's ${onednn_gemm}")
+endif()
 
 list(LENGTH configs config_count)
 list(LENGTH modes mode_count)

@@ -23,6 +23,7 @@
 
 #include "attention_core.h"
 #include "bench_sdpa.h"
+#include "blas_gemm.h"
 #include "mha/mha.h"
 #include "mha/parity.h"
 #include "mha/train.h"
@@ -652,6 +653,26 @@ Gemm measure_gemm(int64_t n, int reps, const Settings& settings) {
   const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) *
                        static_cast<double>(n);
   g.gflops = flops / (g.median_ms * 1e-3) / 1e9;
+  if (settings.device.is_cpu() && settings.dtype == torch::kFloat32 &&
+      detail::onednn_gemm_available()) {
+    // Outside a parallel region dnnl_sgemm runs on the calling thread's
+    // OpenMP team: ATen's intra-op threads, as torch::mm's BLAS does.
+    auto c = torch::empty({n, n}, options);
+    Run onednn = [&] {
+      TORCH_CHECK(
+          detail::onednn_gemm_matrix(detail::matrix_of(a), detail::matrix_of(b),
+                                     1.0, 0.0, detail::matrix_of(c)),
+          "mha-bench: oneDNN's dnnl_sgemm refused a ", n, "^2 product");
+      return Named{{"c", c}};
+    };
+    time_once(onednn, settings.device);
+    samples.clear();
+    for (int i = 0; i < reps; ++i) {
+      samples.push_back(time_once(onednn, settings.device));
+    }
+    g.onednn_median_ms = median_of(samples);
+    g.onednn_gflops = flops / (g.onednn_median_ms * 1e-3) / 1e9;
+  }
   return g;
 }
 

@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -189,12 +190,21 @@ int64_t child_peak_kib(const Shape& shape, Mode mode,
 void synchronize(const torch::Device& device);
 
 /// torch::mm of two (n, n) matrices: median GFLOP/s (2n³ per product) over
-/// `reps` runs after one warm-up.
+/// `reps` runs after one warm-up. On the CPU in float32 where the blocked
+/// path's products go through oneDNN (onednn_gemm_available), the same
+/// product through oneDNN's dnnl_sgemm on the same threads too, timed the
+/// same way: the ceiling is the faster of the two (mha's own products can
+/// run at oneDNN's speed, above torch::mm's where its BLAS is slower).
 struct Gemm {
   int64_t n = 0;
   int reps = 0;
   double median_ms = 0;
   double gflops = 0;
+  double onednn_median_ms = 0;  ///< 0: not measured
+  double onednn_gflops = 0;     ///< 0: not measured
+
+  /// The GEMM ceiling: the higher of gflops and onednn_gflops.
+  double ceiling_gflops() const { return std::max(gflops, onednn_gflops); }
 };
 Gemm measure_gemm(int64_t n, int reps, const Settings& settings);
 

@@ -460,11 +460,21 @@ void print_environment(Environment& env, const Args& args,
   const int64_t gemm_n =
       args.quick && !args.gemm_size_given ? 256 : args.gemm_size;
   env.gemm = measure_gemm(gemm_n, /*reps=*/5, settings);
-  fmt::print(
-      "GEMM:      {}^3 torch::mm in {}: {:.1f} GFLOP/s (median of {}, "
-      "{:.1f} ms): the ceiling\n",
-      env.gemm.n, args.dtype_name, env.gemm.gflops, env.gemm.reps,
-      env.gemm.median_ms);
+  if (env.gemm.onednn_gflops > 0) {
+    fmt::print(
+        "GEMM:      {}^3 in {}, median of {}: torch::mm {:.1f} GFLOP/s ({:.1f} "
+        "ms), oneDNN's dnnl_sgemm (the blocked path's products) {:.1f} "
+        "GFLOP/s ({:.1f} ms); the ceiling: {:.1f}\n",
+        env.gemm.n, args.dtype_name, env.gemm.reps, env.gemm.gflops,
+        env.gemm.median_ms, env.gemm.onednn_gflops, env.gemm.onednn_median_ms,
+        env.gemm.ceiling_gflops());
+  } else {
+    fmt::print(
+        "GEMM:      {}^3 torch::mm in {}: {:.1f} GFLOP/s (median of {}, "
+        "{:.1f} ms): the ceiling\n",
+        env.gemm.n, args.dtype_name, env.gemm.gflops, env.gemm.reps,
+        env.gemm.median_ms);
+  }
   fmt::print("SDPA:      {}\n", sdpa_available()
                                     ? "in-projection -> "
                                       "at::scaled_dot_product_attention -> "
@@ -668,7 +678,10 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
        {{"n", env.gemm.n},
         {"reps", env.gemm.reps},
         {"median_ms", env.gemm.median_ms},
-        {"gflops", env.gemm.gflops}}}};
+        {"gflops", env.gemm.gflops},
+        {"onednn_median_ms", env.gemm.onednn_median_ms},
+        {"onednn_gflops", env.gemm.onednn_gflops},
+        {"ceiling_gflops", env.gemm.ceiling_gflops()}}}};
   nlohmann::json mode_docs;
   for (auto m : plan.modes) {
     mode_docs[name(m)] = description(m);
