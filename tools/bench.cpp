@@ -24,6 +24,7 @@
 #include "attention_core.h"
 #include "bench_sdpa.h"
 #include "blas_gemm.h"
+#include "blocked_attention.h"  // onednn_products_available
 #include "mha/mha.h"
 #include "mha/parity.h"
 #include "mha/train.h"
@@ -654,7 +655,7 @@ Gemm measure_gemm(int64_t n, int reps, const Settings& settings) {
                        static_cast<double>(n);
   g.gflops = flops / (g.median_ms * 1e-3) / 1e9;
   if (settings.device.is_cpu() && settings.dtype == torch::kFloat32 &&
-      detail::onednn_gemm_available()) {
+      detail::onednn_products_available()) {
     // Outside a parallel region dnnl_sgemm runs on the calling thread's
     // OpenMP team: ATen's intra-op threads, as torch::mm's BLAS does.
     auto c = torch::empty({n, n}, options);
@@ -662,7 +663,7 @@ Gemm measure_gemm(int64_t n, int reps, const Settings& settings) {
       TORCH_CHECK(
           detail::onednn_gemm_matrix(detail::matrix_of(a), detail::matrix_of(b),
                                      1.0, 0.0, detail::matrix_of(c)),
-          "mha-bench: oneDNN's dnnl_sgemm refused a ", n, "^2 product");
+          "mha-bench: oneDNN's dnnl_sgemm refused a ", n, " x ", n, " product");
       return Named{{"c", c}};
     };
     time_once(onednn, settings.device);

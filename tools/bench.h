@@ -191,7 +191,7 @@ void synchronize(const torch::Device& device);
 
 /// torch::mm of two (n, n) matrices: median GFLOP/s (2n³ per product) over
 /// `reps` runs after one warm-up. On the CPU in float32 where the blocked
-/// path's products go through oneDNN (onednn_gemm_available), the same
+/// path's products go through oneDNN (onednn_products_available), the same
 /// product through oneDNN's dnnl_sgemm on the same threads too, timed the
 /// same way: the ceiling is the faster of the two (mha's own products can
 /// run at oneDNN's speed, above torch::mm's where its BLAS is slower).
