@@ -641,37 +641,34 @@ Gemm measure_gemm(int64_t n, int reps, const Settings& settings) {
       torch::TensorOptions().dtype(settings.dtype).device(settings.device);
   auto a = torch::randn({n, n}, options);
   auto b = torch::randn({n, n}, options);
-  Run run = [&] { return Named{{"c", torch::mm(a, b)}}; };
-  time_once(run, settings.device);
-  std::vector<double> samples;
-  for (int i = 0; i < reps; ++i) {
-    samples.push_back(time_once(run, settings.device));
-  }
+  // Median ms of `reps` runs after one warm-up.
+  const auto median_ms = [&](const Run& run) {
+    time_once(run, settings.device);
+    std::vector<double> samples;
+    for (int i = 0; i < reps; ++i) {
+      samples.push_back(time_once(run, settings.device));
+    }
+    return median_of(samples);
+  };
+  const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) *
+                       static_cast<double>(n);
   Gemm g;
   g.n = n;
   g.reps = reps;
-  g.median_ms = median_of(samples);
-  const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) *
-                       static_cast<double>(n);
+  g.median_ms = median_ms([&] { return Named{{"c", torch::mm(a, b)}}; });
   g.gflops = flops / (g.median_ms * 1e-3) / 1e9;
   if (settings.device.is_cpu() && settings.dtype == torch::kFloat32 &&
       detail::onednn_products_available()) {
     // Outside a parallel region dnnl_sgemm runs on the calling thread's
     // OpenMP team: ATen's intra-op threads, as torch::mm's BLAS does.
     auto c = torch::empty({n, n}, options);
-    Run onednn = [&] {
+    g.onednn_median_ms = median_ms([&] {
       TORCH_CHECK(
           detail::onednn_gemm_matrix(detail::matrix_of(a), detail::matrix_of(b),
                                      1.0, 0.0, detail::matrix_of(c)),
           "mha-bench: oneDNN's dnnl_sgemm refused a ", n, " x ", n, " product");
       return Named{{"c", c}};
-    };
-    time_once(onednn, settings.device);
-    samples.clear();
-    for (int i = 0; i < reps; ++i) {
-      samples.push_back(time_once(onednn, settings.device));
-    }
-    g.onednn_median_ms = median_of(samples);
+    });
     g.onednn_gflops = flops / (g.onednn_median_ms * 1e-3) / 1e9;
   }
   return g;
