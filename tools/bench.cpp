@@ -1,8 +1,8 @@
 // mha-bench's measuring: the contenders of a row (mha, torch::nn, and
 // projections+SDPA from bench_sdpa.cpp) built on the same weights and
 // inputs, their results compared with torch::nn's, the timed repetitions and
-// peak memory (in process or in a child), and the GEMM, sliding-window and
-// generation measurements. Formatting is in bench_report.cpp.
+// peak memory (in process or in a child). The measurements beside the table
+// are in bench_variants.cpp, formatting in bench_report.cpp.
 //
 // Glossary: N batch, L sequence length (S = L), E embed_dim, H num_heads,
 // F dim_feedforward.
@@ -22,12 +22,10 @@
 #include <utility>
 
 #include "attention_core.h"
+#include "bench_run.h"
 #include "bench_sdpa.h"
-#include "blas_gemm.h"
-#include "blocked_attention.h"  // onednn_products_available
 #include "mha/mha.h"
 #include "mha/parity.h"
-#include "mha/train.h"
 
 namespace mha::bench {
 
@@ -38,23 +36,6 @@ void synchronize(const torch::Device& device) {
 }
 
 namespace {
-
-struct Contenders {
-  Run mha;
-  Run torch_nn;
-  SdpaContender sdpa;  ///< projections + at::scaled_dot_product_attention
-  Run projections;     ///< the projections alone (self-attention modes)
-};
-
-/// Milliseconds of one run, its results released inside the timed region.
-double time_once(const Run& run, const torch::Device& device) {
-  synchronize(device);
-  const auto start = std::chrono::steady_clock::now();
-  { auto results = run(); }
-  synchronize(device);
-  const auto stop = std::chrono::steady_clock::now();
-  return std::chrono::duration<double, std::milli>(stop - start).count();
-}
 
 /// Random biases (torch::nn initialises them to zero, which would hide a
 /// bias mix-up from the check).
@@ -154,105 +135,6 @@ Run make_projections(const torch::nn::MultiheadAttention& ref,
     (out * grad_out).sum().backward();
     return Named{{"output", out.detach()}, {"grad input", input.grad()}};
   };
-}
-
-Contenders make_contenders(const Shape& s, Mode mode,
-                           const Settings& settings) {
-  torch::manual_seed(settings.seed);
-  const int64_t N = s.batch, L = s.length, E = s.embed_dim, H = s.num_heads;
-  const auto options =
-      torch::TensorOptions().dtype(settings.dtype).device(settings.device);
-  auto x = torch::randn({L, N, E}, options);  // (L, N, E): seq-first
-  if (mode == Mode::kEncoder) {
-    return make_encoder(s, x, settings);
-  }
-  torch::nn::MultiheadAttention ref(torch::nn::MultiheadAttentionOptions(E, H));
-  mha::MultiHeadAttention ours(
-      mha::MultiHeadAttentionOptions(E, H).batch_first(false));
-  prepare_pair(ref, ours, settings);
-
-  Contenders c;
-  // fwd-bwd's fixed upstream gradient, drawn after x for every contender.
-  torch::Tensor grad_out;
-  if (mode == Mode::kForwardBackward) {
-    grad_out = torch::randn({L, N, E}, options);  // (L, N, E)
-  }
-  c.sdpa = make_sdpa_attention(ref, x, grad_out, mode, settings.plant_fault);
-  c.projections = make_projections(ref, x, grad_out, mode);
-  switch (mode) {
-    case Mode::kForward:
-    case Mode::kForwardWeights:
-    case Mode::kInference: {
-      const bool weights = mode == Mode::kForwardWeights;
-      const bool no_grad = mode == Mode::kInference;
-      c.mha = [ours, x, weights, no_grad]() mutable {
-        torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
-        auto [out, w] = ours->forward(x, /*key=*/{}, /*value=*/{},
-                                      /*key_padding_mask=*/{}, weights);
-        Named r{{"output", out}};  // (L, N, E)
-        if (weights) {
-          r.emplace_back("weights", w);  // (N, L, S)
-        }
-        return r;
-      };
-      c.torch_nn = [ref, x, weights, no_grad]() mutable {
-        torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
-        auto [out, w] = ref->forward(x, x, x, /*key_padding_mask=*/{}, weights);
-        Named r{{"output", out}};
-        if (weights) {
-          r.emplace_back("weights", w);
-        }
-        return r;
-      };
-      return c;
-    }
-    case Mode::kCausal: {
-      // Built in place: no (L, L) temporary beyond the mask itself.
-      auto mask =
-          torch::full({L, L}, -std::numeric_limits<double>::infinity(), options)
-              .triu_(/*diagonal=*/1);  // (L, S): -inf above the diagonal
-      c.mha = [ours, x]() mutable {
-        auto [out, w] = ours->forward(x, /*key=*/{}, /*value=*/{},
-                                      /*key_padding_mask=*/{},
-                                      /*need_weights=*/false,
-                                      /*attn_mask=*/{},
-                                      /*average_attn_weights=*/true,
-                                      /*is_causal=*/true);
-        return Named{{"output", out}};
-      };
-      c.torch_nn = [ref, x, mask]() mutable {
-        auto [out, w] = ref->forward(x, x, x, /*key_padding_mask=*/{},
-                                     /*need_weights=*/false, mask);
-        return Named{{"output", out}};
-      };
-      return c;
-    }
-    case Mode::kForwardBackward: {
-      // Each contender its own leaf with the same values.
-      auto x_mha = x.clone().requires_grad_(true);
-      auto x_ref = x.clone().requires_grad_(true);
-      c.mha = [ours, x_mha, grad_out]() mutable {
-        clear_grads(*ours, x_mha);
-        auto [out, w] = ours->forward(x_mha, /*key=*/{}, /*value=*/{},
-                                      /*key_padding_mask=*/{},
-                                      /*need_weights=*/false);
-        (out * grad_out).sum().backward();
-        return backward_results(*ours, out, x_mha);
-      };
-      c.torch_nn = [ref, x_ref, grad_out]() mutable {
-        clear_grads(*ref, x_ref);
-        auto [out, w] = ref->forward(x_ref, x_ref, x_ref,
-                                     /*key_padding_mask=*/{},
-                                     /*need_weights=*/false);
-        (out * grad_out).sum().backward();
-        return backward_results(*ref, out, x_ref);
-      };
-      return c;
-    }
-    case Mode::kEncoder:
-      break;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unhandled mode");
 }
 
 /// Errors of `ours` against `reference`, in float64 chunks (a (N, L, S)
@@ -441,11 +323,119 @@ int64_t measure_in_child(const Shape& s, Mode mode,
   return kib;
 }
 
+}  // namespace
+
+double time_once(const Run& run, const torch::Device& device) {
+  synchronize(device);
+  const auto start = std::chrono::steady_clock::now();
+  { auto results = run(); }
+  synchronize(device);
+  const auto stop = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::milli>(stop - start).count();
+}
+
+Contenders make_contenders(const Shape& s, Mode mode,
+                           const Settings& settings) {
+  torch::manual_seed(settings.seed);
+  const int64_t N = s.batch, L = s.length, E = s.embed_dim, H = s.num_heads;
+  const auto options =
+      torch::TensorOptions().dtype(settings.dtype).device(settings.device);
+  auto x = torch::randn({L, N, E}, options);  // (L, N, E): seq-first
+  if (mode == Mode::kEncoder) {
+    return make_encoder(s, x, settings);
+  }
+  torch::nn::MultiheadAttention ref(torch::nn::MultiheadAttentionOptions(E, H));
+  mha::MultiHeadAttention ours(
+      mha::MultiHeadAttentionOptions(E, H).batch_first(false));
+  prepare_pair(ref, ours, settings);
+
+  Contenders c;
+  // fwd-bwd's fixed upstream gradient, drawn after x for every contender.
+  torch::Tensor grad_out;
+  if (mode == Mode::kForwardBackward) {
+    grad_out = torch::randn({L, N, E}, options);  // (L, N, E)
+  }
+  c.sdpa = make_sdpa_attention(ref, x, grad_out, mode, settings.plant_fault);
+  c.projections = make_projections(ref, x, grad_out, mode);
+  switch (mode) {
+    case Mode::kForward:
+    case Mode::kForwardWeights:
+    case Mode::kInference: {
+      const bool weights = mode == Mode::kForwardWeights;
+      const bool no_grad = mode == Mode::kInference;
+      c.mha = [ours, x, weights, no_grad]() mutable {
+        torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
+        auto [out, w] = ours->forward(x, /*key=*/{}, /*value=*/{},
+                                      /*key_padding_mask=*/{}, weights);
+        Named r{{"output", out}};  // (L, N, E)
+        if (weights) {
+          r.emplace_back("weights", w);  // (N, L, S)
+        }
+        return r;
+      };
+      c.torch_nn = [ref, x, weights, no_grad]() mutable {
+        torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
+        auto [out, w] = ref->forward(x, x, x, /*key_padding_mask=*/{}, weights);
+        Named r{{"output", out}};
+        if (weights) {
+          r.emplace_back("weights", w);
+        }
+        return r;
+      };
+      return c;
+    }
+    case Mode::kCausal: {
+      // Built in place: no (L, L) temporary beyond the mask itself.
+      auto mask =
+          torch::full({L, L}, -std::numeric_limits<double>::infinity(), options)
+              .triu_(/*diagonal=*/1);  // (L, S): -inf above the diagonal
+      c.mha = [ours, x]() mutable {
+        auto [out, w] = ours->forward(x, /*key=*/{}, /*value=*/{},
+                                      /*key_padding_mask=*/{},
+                                      /*need_weights=*/false,
+                                      /*attn_mask=*/{},
+                                      /*average_attn_weights=*/true,
+                                      /*is_causal=*/true);
+        return Named{{"output", out}};
+      };
+      c.torch_nn = [ref, x, mask]() mutable {
+        auto [out, w] = ref->forward(x, x, x, /*key_padding_mask=*/{},
+                                     /*need_weights=*/false, mask);
+        return Named{{"output", out}};
+      };
+      return c;
+    }
+    case Mode::kForwardBackward: {
+      // Each contender its own leaf with the same values.
+      auto x_mha = x.clone().requires_grad_(true);
+      auto x_ref = x.clone().requires_grad_(true);
+      c.mha = [ours, x_mha, grad_out]() mutable {
+        clear_grads(*ours, x_mha);
+        auto [out, w] = ours->forward(x_mha, /*key=*/{}, /*value=*/{},
+                                      /*key_padding_mask=*/{},
+                                      /*need_weights=*/false);
+        (out * grad_out).sum().backward();
+        return backward_results(*ours, out, x_mha);
+      };
+      c.torch_nn = [ref, x_ref, grad_out]() mutable {
+        clear_grads(*ref, x_ref);
+        auto [out, w] = ref->forward(x_ref, x_ref, x_ref,
+                                     /*key_padding_mask=*/{},
+                                     /*need_weights=*/false);
+        (out * grad_out).sum().backward();
+        return backward_results(*ref, out, x_ref);
+      };
+      return c;
+    }
+    case Mode::kEncoder:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled mode");
+}
+
 double median_of(std::vector<double> v) {
   return summarize(std::move(v)).median;
 }
-
-}  // namespace
 
 bool clear_refs_writable() {
   return access("/proc/self/clear_refs", W_OK) == 0 && reset_peak_rss();
@@ -632,149 +622,6 @@ int64_t child_peak_kib(const Shape& shape, Mode mode,
   const int64_t before = proc_status_kib("VmRSS");
   time_once(run, settings.device);
   return proc_status_kib("VmHWM") - before;
-}
-
-Gemm measure_gemm(int64_t n, int reps, const Settings& settings) {
-  torch::NoGradGuard no_grad;
-  torch::manual_seed(settings.seed);
-  const auto options =
-      torch::TensorOptions().dtype(settings.dtype).device(settings.device);
-  auto a = torch::randn({n, n}, options);
-  auto b = torch::randn({n, n}, options);
-  // Median ms of `reps` runs after one warm-up.
-  const auto median_ms = [&](const Run& run) {
-    time_once(run, settings.device);
-    std::vector<double> samples;
-    for (int i = 0; i < reps; ++i) {
-      samples.push_back(time_once(run, settings.device));
-    }
-    return median_of(samples);
-  };
-  const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) *
-                       static_cast<double>(n);
-  Gemm g;
-  g.n = n;
-  g.reps = reps;
-  g.median_ms = median_ms([&] { return Named{{"c", torch::mm(a, b)}}; });
-  g.gflops = flops / (g.median_ms * 1e-3) / 1e9;
-  if (settings.device.is_cpu() && settings.dtype == torch::kFloat32 &&
-      detail::onednn_products_available()) {
-    // Outside a parallel region dnnl_sgemm runs on the calling thread's
-    // OpenMP team: ATen's intra-op threads, as torch::mm's BLAS does.
-    auto c = torch::empty({n, n}, options);
-    g.onednn_median_ms = median_ms([&] {
-      TORCH_CHECK(
-          detail::onednn_gemm_matrix(detail::matrix_of(a), detail::matrix_of(b),
-                                     1.0, 0.0, detail::matrix_of(c)),
-          "mha-bench: oneDNN's dnnl_sgemm refused a ", n, " x ", n, " product");
-      return Named{{"c", c}};
-    });
-    g.onednn_gflops = flops / (g.onednn_median_ms * 1e-3) / 1e9;
-  }
-  return g;
-}
-
-std::vector<WindowRow> measure_window(const std::vector<int64_t>& lengths,
-                                      int64_t window, int64_t embed_dim,
-                                      int64_t num_heads, int reps,
-                                      const Settings& settings) {
-  torch::NoGradGuard no_grad;
-  torch::manual_seed(settings.seed);
-  const auto options =
-      torch::TensorOptions().dtype(settings.dtype).device(settings.device);
-  MultiHeadAttention full(MultiHeadAttentionOptions(embed_dim, num_heads));
-  MultiHeadAttention windowed(
-      MultiHeadAttentionOptions(embed_dim, num_heads).window(window));
-  for (auto* m : {&full, &windowed}) {
-    (*m)->to(settings.device, settings.dtype);
-    (*m)->eval();
-  }
-  std::vector<WindowRow> rows;
-  for (const auto length : lengths) {
-    auto x = torch::randn({1, length, embed_dim}, options);
-    auto run_with = [&](MultiHeadAttention& m) -> Run {
-      return [&m, &x] {
-        return Named{{"output", std::get<0>(m->forward(x, {}, {}, {}, false, {},
-                                                       true, true))}};
-      };
-    };
-    const auto run_windowed = run_with(windowed), run_full = run_with(full);
-    time_once(run_windowed, settings.device);
-    time_once(run_full, settings.device);
-    std::vector<double> w, f;
-    for (int i = 0; i < reps; ++i) {
-      w.push_back(time_once(run_windowed, settings.device));
-      f.push_back(time_once(run_full, settings.device));
-    }
-    rows.push_back({length, window, median_of(w), median_of(f)});
-  }
-  return rows;
-}
-
-std::vector<ProjectionRow> measure_projections(const std::vector<Shape>& shapes,
-                                               const std::vector<Mode>& modes,
-                                               const Settings& settings) {
-  std::vector<ProjectionRow> rows;
-  for (const auto& shape : shapes) {
-    for (const auto mode : modes) {
-      if (mode == Mode::kEncoder) {
-        continue;
-      }
-      const auto c = make_contenders(shape, mode, settings);
-      const std::vector<const Run*> runs = {&c.projections, &c.torch_nn,
-                                            &c.mha};
-      double round_ms = 0;
-      for (const auto* run : runs) {
-        round_ms += time_once(*run, settings.device);
-      }
-      int reps = settings.reps;
-      if (reps <= 0) {
-        const double fit =
-            settings.budget_s * 1000.0 / std::max(round_ms, 1e-3);
-        reps = static_cast<int>(
-            std::clamp(std::floor(fit), static_cast<double>(settings.min_reps),
-                       static_cast<double>(settings.max_reps)));
-      }
-      std::vector<std::vector<double>> samples(runs.size());
-      for (int i = 0; i < reps; ++i) {
-        for (size_t r = 0; r < runs.size(); ++r) {
-          samples[r].push_back(time_once(*runs[r], settings.device));
-        }
-      }
-      rows.push_back({shape, mode, reps, median_of(samples[0]),
-                      median_of(samples[1]), median_of(samples[2])});
-    }
-  }
-  return rows;
-}
-
-Generation measure_generation(int64_t prompt, int64_t new_tokens, int reps,
-                              uint64_t seed) {
-  torch::manual_seed(seed);
-  train::CharLM lm(train::CharLMOptions(/*vocab_size=*/65, /*block_size=*/64));
-  auto prompt_ids = torch::randint(65, {prompt});
-  const auto greedy = train::SamplingOptions().top_k(1);
-  Generation g;
-  g.prompt = prompt;
-  g.new_tokens = new_tokens;
-  g.reps = reps;
-  std::vector<double> cached, recomputed;
-  torch::Tensor cached_ids, recomputed_ids;
-  auto seconds = [&](bool use_cache, torch::Tensor& ids) {
-    const auto start = std::chrono::steady_clock::now();
-    ids = train::generate(lm, prompt_ids, new_tokens, greedy, use_cache);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                         start)
-        .count();
-  };
-  for (int i = 0; i < reps; ++i) {
-    cached.push_back(seconds(true, cached_ids));
-    recomputed.push_back(seconds(false, recomputed_ids));
-  }
-  g.cached_s = median_of(cached);
-  g.recomputed_s = median_of(recomputed);
-  g.identical = torch::equal(cached_ids, recomputed_ids);
-  return g;
 }
 
 }  // namespace mha::bench
