@@ -59,7 +59,7 @@ if(MHA_BINARY_DIR)
   endif()
   separate_arguments(pc_flags UNIX_COMMAND "${pc_flags}")
   # No -std here: mha.pc's Cflags name the standard mha was built with.
-  run(${CXX} -O1 ${CONSUMER_SOURCE_DIR}/main.cpp ${pc_flags}
+  run(${CXX} ${CONSUMER_SOURCE_DIR}/main.cpp ${pc_flags}
       -o ${WORK_DIR}/consumer_pkg_config)
   run(${WORK_DIR}/consumer_pkg_config)
 else()
