@@ -1741,6 +1741,98 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
   }
 }
 
+// The AVX-512 row kernel gives the AVX2 kernel's bits (src/fused_softmax.h):
+// every width from 0 to 80 and some up to 4096 (16-float steps, an 8-float
+// step, a scalar tail), visible ranges at each edge and empty, with and
+// without a bias, and rows of large, tiny, underflowing, -inf, +inf and NaN
+// scores. A NaN result must be NaN in both (its payload is not compared).
+TEST(FusedSoftmax, Avx512RowHasTheAvx2RowsBits) {
+  if (!mha::detail::fused_softmax_available() ||
+      !__builtin_cpu_supports("avx512f")) {
+    GTEST_SKIP() << "this CPU has no AVX-512F: only the AVX2 kernel runs";
+  }
+  torch::manual_seed(12);
+  std::vector<int64_t> widths;
+  for (int64_t cols = 0; cols <= 80; ++cols) {
+    widths.push_back(cols);
+  }
+  for (const int64_t cols : {127, 128, 129, 136, 255, 1000, 1031, 4096}) {
+    widths.push_back(cols);
+  }
+  int64_t rows_compared = 0;
+  for (const int64_t cols : widths) {
+    auto bias = torch::randn({cols}) * 3.0;
+    // Row kinds: 0 plain, 1 shifted by 1e4, 2 nearly uniform, 3 spread wide
+    // enough to underflow, 4 one -inf, 5 all -inf, 6 one +inf, 7 one NaN.
+    for (int64_t kind = 0; kind < 8; ++kind) {
+      auto scores = torch::randn({cols}) * 20.0;
+      if (kind == 1) {
+        scores += 1e4;
+      } else if (kind == 2) {
+        scores *= 1e-3;
+      } else if (kind == 3) {
+        scores *= 200.0;
+      } else if (kind == 5) {
+        scores.fill_(-kInf);
+      } else if (cols > 0 && kind >= 4) {
+        using limits = std::numeric_limits<float>;
+        const float special[] = {-limits::infinity(), 0.0f, limits::infinity(),
+                                 limits::quiet_NaN()};
+        scores[cols * 2 / 3] = special[kind - 4];
+      }
+      std::vector<std::pair<int64_t, int64_t>> ranges = {
+          {0, cols}, {0, cols / 2}, {cols / 3, cols}, {cols / 2, cols / 2}};
+      if (cols > 2) {
+        ranges.emplace_back(1, cols - 1);
+      }
+      for (const auto& [begin, end] : ranges) {
+        for (const bool with_bias : {false, true}) {
+          auto avx2 = scores.clone();
+          auto avx512 = scores.clone();
+          const float* b = with_bias ? bias.data_ptr<float>() : nullptr;
+          mha::detail::softmax_row_avx2(avx2.data_ptr<float>(), b, begin, end,
+                                        cols);
+          mha::detail::softmax_row_avx512(avx512.data_ptr<float>(), b, begin,
+                                          end, cols);
+          const std::string where = "cols " + std::to_string(cols) + ", kind " +
+                                    std::to_string(kind) + ", range [" +
+                                    std::to_string(begin) + ", " +
+                                    std::to_string(end) + "), bias " +
+                                    std::to_string(with_bias);
+          ASSERT_TRUE(torch::equal(avx2.isnan(), avx512.isnan())) << where;
+          // Bits: the same int32 patterns where the value is not NaN.
+          const auto finite = avx2.isnan().logical_not();
+          ASSERT_TRUE(
+              torch::equal(avx2.view(torch::kInt32).masked_select(finite),
+                           avx512.view(torch::kInt32).masked_select(finite)))
+              << where;
+          ++rows_compared;
+        }
+      }
+    }
+  }
+  EXPECT_GT(rows_compared, 5000);
+
+  // fused_softmax_rows (whichever kernel softmax_row_kernel() picked) gives
+  // the AVX2 kernel's bits row by row: causal limits and a diagonal bias.
+  const int64_t rows = 64, cols = 300;
+  auto scores = torch::randn({rows, cols}) * 20.0;
+  auto bias = torch::randn({rows + cols - 1}) * 3.0;
+  const mha::detail::RowLimits causal{0, cols - rows + 1, false, true};
+  auto fused = scores.clone();
+  mha::detail::fused_softmax_rows(fused, causal,
+                                  bias.data_ptr<float>() + (rows - 1));
+  auto by_row = scores.clone();
+  for (int64_t r = 0; r < rows; ++r) {
+    mha::detail::softmax_row_avx2(by_row.data_ptr<float>() + r * cols,
+                                  bias.data_ptr<float>() + (rows - 1) - r,
+                                  causal.begin(r, cols), causal.end(r, cols),
+                                  cols);
+  }
+  EXPECT_TRUE(
+      torch::equal(fused.view(torch::kInt32), by_row.view(torch::kInt32)));
+}
+
 // ------------------------------------------------------- path choice table ---
 // choose_path is a function of the call's properties: this table pins the
 // path for each combination, for a LibTorch without (< 2.5) and with the
