@@ -45,26 +45,44 @@ namespace mha::detail {
 
 #if MHA_FUSED_SOFTMAX_X86
 
+/// exp's constants (see the file comment), shared by exp_avx2 and
+/// exp_avx512 so that both compute the same function.
+struct ExpConstants {
+  static constexpr float kLowest = -87.33654f;  // below: e^x under FLT_MIN
+  static constexpr float kHighest = 88.72283f;
+  static constexpr float kLog2e = 1.44269504088896341f;  // 1 / ln2
+  // ln2 in two parts, so that n * kLn2High is exact
+  static constexpr float kLn2High = 0.693359375f;
+  static constexpr float kLn2Low = -2.12194440e-4f;
+  // e^r = 1 + r + r^2 (kP5 + kP4 r + ... + kP0 r^5)
+  static constexpr float kP0 = 1.9875691500e-4f;
+  static constexpr float kP1 = 1.3981999507e-3f;
+  static constexpr float kP2 = 8.3334519073e-3f;
+  static constexpr float kP3 = 4.1665795894e-2f;
+  static constexpr float kP4 = 1.6666665459e-1f;
+  static constexpr float kP5 = 5.0000001201e-1f;
+};
+
 /// e^x for 8 floats (see the file comment).
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.33654f);
-  const __m256 highest = _mm256_set1_ps(88.72283f);
+  const __m256 lowest = _mm256_set1_ps(ExpConstants::kLowest);
+  const __m256 highest = _mm256_set1_ps(ExpConstants::kHighest);
   const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
   // max/min return their second operand when either is NaN: x second, so
   // that a NaN stays NaN (and the whole row with it, as torch.softmax).
   x = _mm256_min_ps(highest, _mm256_max_ps(lowest, x));
-  const __m256 n = _mm256_round_ps(
-      _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),  // x / ln2
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2, with ln2 in two parts so that n * 0.693359375 is exact.
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(ExpConstants::kLog2e)),
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ExpConstants::kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ExpConstants::kLn2Low), r);
+  __m256 p = _mm256_set1_ps(ExpConstants::kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ExpConstants::kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ExpConstants::kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ExpConstants::kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ExpConstants::kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ExpConstants::kP5));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r),
                       _mm256_add_ps(r, _mm256_set1_ps(1.0f)));  // e^r
   const __m256i two_n = _mm256_slli_epi32(
@@ -87,25 +105,16 @@ __attribute__((target("avx2,fma"))) inline float reduce_sum_avx2(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/// Row x[0, cols): x[begin, end) plus bias[begin, end) (when bias is not
-/// null) becomes its softmax, the rest zeros; an empty range gives zeros.
-/// Non-finite entries give what torch.softmax gives: a NaN or +inf entry, or
-/// a range of -inf only, makes the row NaN (the caller zeroes the rows that
-/// its mask blocks entirely, decided from the mask, not from these values).
-__attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
-    float* x, const float* bias, int64_t begin, int64_t end, int64_t cols) {
-  constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
-  std::fill(x, x + begin, 0.0f);
-  std::fill(x + std::max(begin, end), x + cols, 0.0f);
-  float* row = x + begin;
-  const int64_t n = end - begin;
-  if (n <= 0) {
-    return;
-  }
-  __m256 vmax = _mm256_set1_ps(kNegInfF);
-  int64_t i = 0;
-  if (bias != nullptr) {
-    const float* b = bias + begin;
+/// The three passes of a row's softmax over row[i, n), from entry `i` on,
+/// 8 floats a step and then one at a time: softmax_row_avx2 runs them from
+/// 0, softmax_row_avx512 from where its 16-float steps stop, so that both
+/// compute those entries alike.
+///
+/// First pass: adds b[i, n) (when b is not null) and returns the maximum of
+/// row[i, n) and vmax's lanes.
+__attribute__((target("avx2,fma"))) inline float add_bias_and_max_avx2(
+    float* row, const float* b, int64_t i, int64_t n, __m256 vmax) {
+  if (b != nullptr) {
     for (; i + 8 <= n; i += 8) {
       const __m256 s =
           _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(b + i));
@@ -124,11 +133,16 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
   for (; i < n; ++i) {
     max = std::max(max, row[i]);
   }
-  // A NaN entry may be missing from max; it turns into NaN below all the
-  // same (NaN - max), and so do +inf (inf - inf) and max = -inf.
+  return max;
+}
+
+/// Second pass: row[i, n) becomes e^(row - max), each 8-float step added
+/// to the 8-lane vsum in order; returns vsum's lanes plus the tail's
+/// entries, the row's sum.
+__attribute__((target("avx2,fma"))) inline float exp_and_sum_avx2(
+    float* row, int64_t i, int64_t n, float max, __m256 vsum) {
   const __m256 shift = _mm256_set1_ps(max);
-  __m256 vsum = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8) {
+  for (; i + 8 <= n; i += 8) {
     const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + i), shift));
     _mm256_storeu_ps(row + i, e);
     vsum = _mm256_add_ps(vsum, e);
@@ -138,15 +152,49 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
     row[i] = std::exp(row[i] - max);
     sum += row[i];
   }
-  const float inverse = 1.0f / sum;
+  return sum;
+}
+
+/// Third pass: row[i, n) times `inverse`.
+__attribute__((target("avx2,fma"))) inline void scale_avx2(float* row,
+                                                           int64_t i, int64_t n,
+                                                           float inverse) {
   const __m256 vinverse = _mm256_set1_ps(inverse);
-  for (i = 0; i + 8 <= n; i += 8) {
+  for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(row + i,
                      _mm256_mul_ps(_mm256_loadu_ps(row + i), vinverse));
   }
   for (; i < n; ++i) {
     row[i] *= inverse;
   }
+}
+
+/// Zeros x[0, begin) and x[max(begin, end), cols), what a row does not see.
+inline void zero_outside(float* x, int64_t begin, int64_t end, int64_t cols) {
+  std::fill(x, x + begin, 0.0f);
+  std::fill(x + std::max(begin, end), x + cols, 0.0f);
+}
+
+/// Row x[0, cols): x[begin, end) plus bias[begin, end) (when bias is not
+/// null) becomes its softmax, the rest zeros; an empty range gives zeros.
+/// Non-finite entries give what torch.softmax gives: a NaN or +inf entry, or
+/// a range of -inf only, makes the row NaN (the caller zeroes the rows that
+/// its mask blocks entirely, decided from the mask, not from these values).
+__attribute__((target("avx2,fma"))) inline void softmax_row_avx2(
+    float* x, const float* bias, int64_t begin, int64_t end, int64_t cols) {
+  zero_outside(x, begin, end, cols);
+  const int64_t n = end - begin;
+  if (n <= 0) {
+    return;
+  }
+  float* row = x + begin;
+  const float max = add_bias_and_max_avx2(
+      row, bias == nullptr ? nullptr : bias + begin, 0, n,
+      _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
+  // A NaN entry may be missing from max; it turns into NaN below all the
+  // same (NaN - max), and so do +inf (inf - inf) and max = -inf.
+  const float sum = exp_and_sum_avx2(row, 0, n, max, _mm256_setzero_ps());
+  scale_avx2(row, 0, n, 1.0f / sum);
 }
 
 // The AVX-512 code below takes the zero-masked form of the intrinsics that
@@ -161,22 +209,22 @@ constexpr __mmask8 kAllLanes8 = 0xFF;
 /// bits (the underflowing lanes zeroed by the multiply's mask instead of an
 /// and-not: +0 either way).
 __attribute__((target("avx512f,avx2,fma"))) inline __m512 exp_avx512(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(-87.33654f);
-  const __m512 highest = _mm512_set1_ps(88.72283f);
+  const __m512 lowest = _mm512_set1_ps(ExpConstants::kLowest);
+  const __m512 highest = _mm512_set1_ps(ExpConstants::kHighest);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
   x = _mm512_maskz_min_ps(kAllLanes16, highest,
                           _mm512_maskz_max_ps(kAllLanes16, lowest, x));
   const __m512 n = _mm512_maskz_roundscale_ps(
-      kAllLanes16, _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+      kAllLanes16, _mm512_mul_ps(x, _mm512_set1_ps(ExpConstants::kLog2e)),
       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ExpConstants::kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ExpConstants::kLn2Low), r);
+  __m512 p = _mm512_set1_ps(ExpConstants::kP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ExpConstants::kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ExpConstants::kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ExpConstants::kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ExpConstants::kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ExpConstants::kP5));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r),
                       _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i two_n = _mm512_maskz_slli_epi32(
@@ -202,90 +250,45 @@ __attribute__((target("avx512f,avx2,fma"))) inline __m256 high_half(__m512 v) {
 /// through the same operations; the maximum does not depend on the order
 /// (but for which NaN or which zero it keeps, and either gives the same
 /// result); and the sum adds each step's low then high 8 floats to the
-/// 8-lane accumulator, the order of softmax_row_avx2's steps. What is left
-/// after the 16-float steps takes softmax_row_avx2's 8-float step and
-/// scalar tail (std::exp), as it would there.
+/// 8-lane accumulator, the order of softmax_row_avx2's steps. Each pass
+/// ends with softmax_row_avx2's own (add_bias_and_max_avx2 and the others)
+/// from where the 16-float steps stop.
 __attribute__((target("avx512f,avx2,fma"))) inline void softmax_row_avx512(
     float* x, const float* bias, int64_t begin, int64_t end, int64_t cols) {
-  constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
-  std::fill(x, x + begin, 0.0f);
-  std::fill(x + std::max(begin, end), x + cols, 0.0f);
-  float* row = x + begin;
+  zero_outside(x, begin, end, cols);
   const int64_t n = end - begin;
   if (n <= 0) {
     return;
   }
-  __m512 vmax16 = _mm512_set1_ps(kNegInfF);
-  __m256 vmax = _mm256_set1_ps(kNegInfF);
+  float* row = x + begin;
+  const float* b = bias == nullptr ? nullptr : bias + begin;
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
-  if (bias != nullptr) {
-    const float* b = bias + begin;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 s =
-          _mm512_add_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(b + i));
+  for (; i + 16 <= n; i += 16) {
+    __m512 s = _mm512_loadu_ps(row + i);
+    if (b != nullptr) {
+      s = _mm512_add_ps(s, _mm512_loadu_ps(b + i));
       _mm512_storeu_ps(row + i, s);
-      vmax16 = _mm512_maskz_max_ps(kAllLanes16, vmax16, s);
     }
-    if (i + 8 <= n) {
-      const __m256 s =
-          _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(b + i));
-      _mm256_storeu_ps(row + i, s);
-      vmax = s;
-      i += 8;
-    }
-    for (int64_t j = i; j < n; ++j) {
-      row[j] += b[j];
-    }
-  } else {
-    for (; i + 16 <= n; i += 16) {
-      vmax16 =
-          _mm512_maskz_max_ps(kAllLanes16, vmax16, _mm512_loadu_ps(row + i));
-    }
-    if (i + 8 <= n) {
-      vmax = _mm256_loadu_ps(row + i);
-      i += 8;
-    }
+    vmax = _mm512_maskz_max_ps(kAllLanes16, vmax, s);
   }
-  vmax =
-      _mm256_max_ps(vmax, _mm256_max_ps(low_half(vmax16), high_half(vmax16)));
-  float max = reduce_max_avx2(vmax);
-  for (; i < n; ++i) {
-    max = std::max(max, row[i]);
-  }
-  const __m512 shift16 = _mm512_set1_ps(max);
-  const __m256 shift = _mm256_set1_ps(max);
+  const int64_t wide = i;  // entries the 16-float steps took
+  const float max = add_bias_and_max_avx2(
+      row, b, wide, n, _mm256_max_ps(low_half(vmax), high_half(vmax)));
+  const __m512 shift = _mm512_set1_ps(max);
   __m256 vsum = _mm256_setzero_ps();
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 e =
-        exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift16));
+  for (i = 0; i < wide; i += 16) {
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift));
     _mm512_storeu_ps(row + i, e);
     vsum = _mm256_add_ps(_mm256_add_ps(vsum, low_half(e)), high_half(e));
   }
-  if (i + 8 <= n) {
-    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + i), shift));
-    _mm256_storeu_ps(row + i, e);
-    vsum = _mm256_add_ps(vsum, e);
-    i += 8;
-  }
-  float sum = reduce_sum_avx2(vsum);
-  for (; i < n; ++i) {
-    row[i] = std::exp(row[i] - max);
-    sum += row[i];
-  }
-  const float inverse = 1.0f / sum;
-  const __m512 vinverse16 = _mm512_set1_ps(inverse);
-  for (i = 0; i + 16 <= n; i += 16) {
+  const float inverse = 1.0f / exp_and_sum_avx2(row, wide, n, max, vsum);
+  const __m512 vinverse = _mm512_set1_ps(inverse);
+  for (i = 0; i < wide; i += 16) {
     _mm512_storeu_ps(row + i,
-                     _mm512_mul_ps(_mm512_loadu_ps(row + i), vinverse16));
+                     _mm512_mul_ps(_mm512_loadu_ps(row + i), vinverse));
   }
-  if (i + 8 <= n) {
-    _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_loadu_ps(row + i),
-                                            _mm256_set1_ps(inverse)));
-    i += 8;
-  }
-  for (; i < n; ++i) {
-    row[i] *= inverse;
-  }
+  scale_avx2(row, wide, n, inverse);
 }
 
 #endif  // MHA_FUSED_SOFTMAX_X86
