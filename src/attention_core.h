@@ -308,12 +308,36 @@ enum class ItemThreads : int64_t {
 /// thread). With one_omp_thread, items run in order hold the calling
 /// thread's OpenMP thread count at 1 meanwhile (restored after), so that a
 /// library on OpenMP (oneDNN) runs each call of the body on this thread
-/// alone (kOpenBlas's threads always do).
+/// alone (kOpenBlas's threads always do). A thread's scratch of at most
+/// kKeptScratchBytes on the CPU is its kept buffer (see there): its values
+/// on entry are whatever an earlier call left.
 int64_t for_each_item(int64_t items, int64_t scratch_elements,
                       const torch::TensorOptions& options,
                       const std::function<void(int64_t, torch::Tensor&)>& body,
                       ItemThreads where = ItemThreads::kAten,
                       bool one_omp_thread = false);
+
+/// The most bytes of scratch a thread keeps between for_each_item calls:
+/// its largest CPU scratch up to this stays allocated (one buffer per
+/// thread: each of ATen's and OpenBLAS's threads and each calling thread),
+/// larger ones are allocated for the call. 4 MiB is the blocked path's
+/// float32 forward block (about 2^20 scores); a backward's three such
+/// blocks are not kept. Allocated anew for every call, the forward's block was
+/// often handed back to the kernel by glibc and paid a page fault for
+/// each 4 KiB on first touch: kept, the (1, 4096, 512, 8) inference
+/// forward took 167 ms against 181 and (1, 8192, 256, 4) 300 against 305
+/// (medians of 5 alternating processes, 1.13, 2 threads, on a virtual
+/// machine where a fault costs 6-12 µs; docs/speed.md, "The forward's
+/// scratch kept between calls"); causal and forward+backward did not move.
+constexpr int64_t kKeptScratchBytes = int64_t{4} << 20;
+
+/// Bytes of scratch the threads keep now (for_each_item), over all threads.
+int64_t kept_scratch_bytes();
+
+/// Frees the scratch every thread keeps, except a buffer a running
+/// for_each_item holds; returns the bytes freed. mha-bench calls it before
+/// it measures a peak, so that the peak counts the scratch the call needs.
+int64_t release_kept_scratch();
 
 /// Where the calling thread's latest for_each_item ran its items (kCaller
 /// when in order, also when asked for another pool that could not be used

@@ -1,15 +1,20 @@
 // Where the blocked path's work items run (attention_core.h: ItemThreads,
 // for_each_item, item_threads): in order on the calling thread, spread over
 // ATen's intra-op threads with BLAS held to one thread each, or on
-// OpenBLAS's own threads where the items make no BLAS call; and the
-// per-thread OpenMP setting that keeps oneDNN's products on one thread.
+// OpenBLAS's own threads where the items make no BLAS call; the per-thread
+// OpenMP setting that keeps oneDNN's products on one thread; and each
+// thread's scratch kept between calls.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -143,6 +148,133 @@ ItemThreads item_threads(int64_t scores, int64_t keys, bool onednn) {
 
 namespace {
 
+/// One thread's kept scratch: a byte buffer (undefined while there is
+/// none), and whether a for_each_item on the thread holds it now.
+struct KeptScratch {
+  torch::Tensor bytes;
+  bool in_use = false;
+};
+
+/// Guards every KeptScratch and the list of them.
+std::mutex& kept_scratch_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+/// Every live thread's KeptScratch (those of ended threads expire).
+std::vector<std::weak_ptr<KeptScratch>>& kept_scratch_list() {
+  static std::vector<std::weak_ptr<KeptScratch>> list;
+  return list;
+}
+
+/// The calling thread's KeptScratch, listed at its first use; freed with
+/// the thread.
+const std::shared_ptr<KeptScratch>& this_thread_scratch() {
+  thread_local const std::shared_ptr<KeptScratch> kept = [] {
+    auto created = std::make_shared<KeptScratch>();
+    const std::lock_guard<std::mutex> lock(kept_scratch_mutex());
+    auto& list = kept_scratch_list();
+    list.erase(std::remove_if(list.begin(), list.end(),
+                              [](const auto& k) { return k.expired(); }),
+               list.end());
+    list.push_back(created);
+    return created;
+  }();
+  return kept;
+}
+
+/// One thread's scratch for one for_each_item call: `elements` of `options`.
+/// On the CPU, up to kKeptScratchBytes, a view of the thread's kept buffer
+/// (grown to fit) unless another call on this thread holds it; otherwise a
+/// new tensor.
+class ScratchLease {
+ public:
+  ScratchLease(int64_t elements, const torch::TensorOptions& options) {
+    const auto bytes =
+        elements * static_cast<int64_t>(options.dtype().itemsize());
+    if (options.device().is_cpu() && bytes > 0 && bytes <= kKeptScratchBytes) {
+      const auto& kept = this_thread_scratch();
+      torch::Tensor buffer;
+      {
+        const std::lock_guard<std::mutex> lock(kept_scratch_mutex());
+        if (!kept->in_use) {
+          kept->in_use = true;
+          held_ = kept;
+          buffer = kept->bytes;
+          if (buffer.defined() && buffer.numel() < bytes) {
+            kept->bytes = torch::Tensor();
+            buffer = torch::Tensor();  // freed before the larger one
+          }
+        }
+      }
+      if (held_) {
+        if (!buffer.defined()) {
+          try {
+            // A normal tensor even in inference mode: later calls write it
+            // outside that mode too.
+            const c10::InferenceMode normal(/*enabled=*/false);
+            buffer = at::empty({bytes}, torch::TensorOptions(torch::kUInt8));
+          } catch (...) {
+            release_hold();  // the destructor does not run
+            throw;
+          }
+          const std::lock_guard<std::mutex> lock(kept_scratch_mutex());
+          kept->bytes = buffer;
+        }
+        tensor_ = buffer.narrow(0, 0, bytes)
+                      .view(c10::typeMetaToScalarType(options.dtype()));
+        return;
+      }
+    }
+    tensor_ = at::empty({elements}, options);
+  }
+  ~ScratchLease() { release_hold(); }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+
+  torch::Tensor& tensor() { return tensor_; }
+
+ private:
+  void release_hold() {
+    if (held_) {
+      const std::lock_guard<std::mutex> lock(kept_scratch_mutex());
+      held_->in_use = false;
+      held_.reset();
+    }
+  }
+
+  std::shared_ptr<KeptScratch> held_;  // the kept buffer, while held
+  torch::Tensor tensor_;
+};
+
+}  // namespace
+
+int64_t kept_scratch_bytes() {
+  const std::lock_guard<std::mutex> lock(kept_scratch_mutex());
+  int64_t bytes = 0;
+  for (const auto& weak : kept_scratch_list()) {
+    if (const auto kept = weak.lock(); kept && kept->bytes.defined()) {
+      bytes += kept->bytes.numel();
+    }
+  }
+  return bytes;
+}
+
+int64_t release_kept_scratch() {
+  const std::lock_guard<std::mutex> lock(kept_scratch_mutex());
+  int64_t bytes = 0;
+  for (const auto& weak : kept_scratch_list()) {
+    const auto kept = weak.lock();
+    if (kept && !kept->in_use && kept->bytes.defined()) {
+      bytes += kept->bytes.numel();
+      kept->bytes = torch::Tensor();
+    }
+  }
+  return bytes;
+}
+
+namespace {
+
 /// Runs the items on OpenBLAS's threads (for_each_item's kOpenBlas) and
 /// returns how many threads did, or 0, running nothing, where that cannot
 /// be done now.
@@ -163,10 +295,10 @@ int64_t items_on_openblas_threads(
   run_on_openblas_threads(threads, [&](int) {
     at::ThreadLocalStateGuard state_guard(caller_state);
     const OneOmpThread one_thread;
-    auto scratch = at::empty({scratch_elements}, options);
+    ScratchLease scratch(scratch_elements, options);
     try {
       for (int64_t item = next++; item < items; item = next++) {
-        body(item, scratch);
+        body(item, scratch.tensor());
       }
     } catch (...) {
       next = items;  // the other threads take no further item
@@ -209,9 +341,9 @@ int64_t for_each_item(int64_t items, int64_t scratch_elements,
     if (one_omp_thread) {
       one_thread.emplace();
     }
-    auto scratch = at::empty({scratch_elements}, options);
+    ScratchLease scratch(scratch_elements, options);
     for (int64_t item = 0; item < items; ++item) {
-      body(item, scratch);
+      body(item, scratch.tensor());
     }
     last_threads = ItemThreads::kCaller;
     return 1;
@@ -221,10 +353,10 @@ int64_t for_each_item(int64_t items, int64_t scratch_elements,
   at::parallel_for(0, threads, /*grain_size=*/1,
                    [&](int64_t begin, int64_t end) {
                      at::ThreadLocalStateGuard state_guard(caller_state);
-                     auto scratch = at::empty({scratch_elements}, options);
+                     ScratchLease scratch(scratch_elements, options);
                      for (int64_t t = begin; t < end; ++t) {
                        for (int64_t item = t; item < items; item += threads) {
-                         body(item, scratch);
+                         body(item, scratch.tensor());
                        }
                      }
                    });

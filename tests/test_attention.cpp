@@ -1482,6 +1482,107 @@ TEST(ForEachItem, OnOpenBlasThreadsVisitsEveryItemOnce) {
             2);
 }
 
+// Each thread keeps its largest scratch up to kKeptScratchBytes between
+// for_each_item calls: the same buffer again for a call that fits (any
+// dtype), a larger one when it grows, a new tensor for a call nested on the
+// same thread or above the limit; a buffer first taken in inference mode
+// is written outside it too; release_kept_scratch frees what is kept.
+TEST(ForEachItem, KeepsEachThreadsScratchBetweenCalls) {
+  using mha::detail::for_each_item;
+  using mha::detail::ItemThreads;
+  using mha::detail::kept_scratch_bytes;
+  using mha::detail::kKeptScratchBytes;
+  using mha::detail::release_kept_scratch;
+  release_kept_scratch();
+  ASSERT_EQ(kept_scratch_bytes(), 0);
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  // The scratch's first element's address on the calling thread.
+  auto address = [](int64_t elements, const torch::TensorOptions& options) {
+    const void* data = nullptr;
+    for_each_item(
+        2, elements, options,
+        [&](int64_t, torch::Tensor& scratch) {
+          EXPECT_EQ(scratch.numel(), elements);
+          EXPECT_EQ(scratch.scalar_type(), options.dtype());
+          scratch.fill_(1.0);
+          data = scratch.data_ptr();
+        },
+        ItemThreads::kCaller);
+    return data;
+  };
+  {
+    const c10::InferenceMode inference;
+    address(100, f32);
+  }
+  EXPECT_EQ(kept_scratch_bytes(), 400);
+  const void* first = address(100, f32);  // written outside inference mode
+  EXPECT_EQ(address(50, f64), first) << "400 bytes as float64: the same";
+  EXPECT_EQ(address(10, f32), first);
+  EXPECT_EQ(kept_scratch_bytes(), 400);
+  address(300, f32);
+  EXPECT_EQ(kept_scratch_bytes(), 1200) << "grown to the larger call";
+  address(kKeptScratchBytes / 4 + 1, f32);
+  EXPECT_EQ(kept_scratch_bytes(), 1200) << "above the limit: not kept";
+
+  const void* outer = nullptr;
+  const void* inner = nullptr;
+  for_each_item(
+      1, 100, f32,
+      [&](int64_t, torch::Tensor& scratch) {
+        outer = scratch.data_ptr();
+        inner = address(100, f32);
+      },
+      ItemThreads::kCaller);
+  EXPECT_NE(inner, outer) << "a nested call took the held buffer";
+  EXPECT_EQ(address(100, f32), outer) << "the outer call's buffer is kept";
+
+  EXPECT_EQ(release_kept_scratch(), 1200);
+  EXPECT_EQ(kept_scratch_bytes(), 0);
+}
+
+// What a kept scratch holds from an earlier call (NaN here) never reaches
+// a result: the blocked path's forward and backward, causal (blocks of
+// fewer columns than the buffer's) and not, with the weights, give the
+// same bits with a poisoned buffer as with a new one.
+TEST(ForEachItem, StaleScratchNeverReachesAResult) {
+  const IntraOpThreads one_thread(1);  // every item on this thread
+  auto make = [](int64_t L) {
+    torch::manual_seed(7);
+    return std::array<torch::Tensor, 3>{
+        torch::randn({2, 2, L, 16}, torch::requires_grad()),
+        torch::randn({2, 2, L, 16}, torch::requires_grad()),
+        torch::randn({2, 2, L, 16}, torch::requires_grad())};
+  };
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    auto run = [&] {
+      auto [q, k, v] = make(200);
+      auto [out, w] = mha::scaled_dot_product_attention(
+          q, k, v, {}, 0.0, causal, c10::nullopt, /*need_weights=*/true);
+      EXPECT_EQ(mha::detail::last_attention_path(),
+                mha::detail::AttentionPath::kBlocked);
+      (out * out).sum().backward();
+      return std::vector<torch::Tensor>{out, w, q.grad(), k.grad(), v.grad()};
+    };
+    mha::detail::release_kept_scratch();
+    const auto fresh = run();
+    mha::detail::for_each_item(
+        1, mha::detail::kKeptScratchBytes / 4, torch::TensorOptions(),
+        [](int64_t, torch::Tensor& scratch) {
+          scratch.fill_(std::numeric_limits<float>::quiet_NaN());
+        },
+        mha::detail::ItemThreads::kCaller);
+    ASSERT_EQ(mha::detail::kept_scratch_bytes(),
+              mha::detail::kKeptScratchBytes);
+    const auto stale = run();
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      EXPECT_TRUE(torch::equal(fresh[i], stale[i])) << "result " << i;
+      EXPECT_FALSE(stale[i].isnan().any().item<bool>()) << "result " << i;
+    }
+  }
+}
+
 // The blocked path on OpenBLAS's threads computes every item as it does in
 // order (oneDNN's products, one thread each), so its results are the same
 // bits: forward (output, weights) and backward (dq, dk, dv), with kept and

@@ -258,7 +258,11 @@ bool reset_peak_rss() {
 /// One run with the peak RSS above the RSS before it (KiB) in `peak_kib`.
 double measure_in_process(const Run& run, const torch::Device& device,
                           int64_t& peak_kib) {
-  malloc_trim(0);  // freed heap pages back to the kernel: a clean baseline
+  // The scratch mha's threads keep between calls freed, and freed heap
+  // pages back to the kernel: a clean baseline, whose peak counts the
+  // scratch the run needs.
+  mha::detail::release_kept_scratch();
+  malloc_trim(0);
   const int64_t before = proc_status_kib("VmRSS");
   TORCH_INTERNAL_ASSERT(reset_peak_rss(), "cannot write /proc/self/clear_refs");
   const double ms = time_once(run, device);

@@ -391,7 +391,8 @@ Environment read_environment(const Settings& settings,
   env.memory_text =
       settings.memory == MemoryMethod::kClearRefs
           ? "peak RSS in process: \"5\" to /proc/self/clear_refs, one run, "
-            "VmHWM minus VmRSS before the run (after malloc_trim)"
+            "VmHWM minus VmRSS before the run (after freeing "
+            "mha's kept scratch and malloc_trim)"
       : settings.memory == MemoryMethod::kFork
           ? "peak RSS of a fresh child process per measurement (fork+exec): "
             "VmHWM after one (first) run minus VmRSS before it"
