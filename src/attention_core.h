@@ -322,13 +322,14 @@ int64_t for_each_item(int64_t items, int64_t scratch_elements,
 /// thread: each of ATen's and OpenBLAS's threads and each calling thread),
 /// larger ones are allocated for the call. 4 MiB is the blocked path's
 /// float32 forward block (about 2^20 scores); a backward's three such
-/// blocks are not kept. Allocated anew for every call, the forward's block was
-/// often handed back to the kernel by glibc and paid a page fault for
-/// each 4 KiB on first touch: kept, the (1, 4096, 512, 8) inference
-/// forward took 167 ms against 181 and (1, 8192, 256, 4) 300 against 305
-/// (medians of 5 alternating processes, 1.13, 2 threads, on a virtual
-/// machine where a fault costs 6-12 µs; docs/speed.md, "The forward's
-/// scratch kept between calls"); causal and forward+backward did not move.
+/// blocks are not kept. Allocated anew for every call, the forward's
+/// block was often handed back to the kernel by glibc and paid a page
+/// fault for each 4 KiB on first touch: kept, the (1, 4096, 512, 8)
+/// inference forward took 167 ms against 181 and (1, 8192, 256, 4) 300
+/// against 305 (medians of 5 alternating processes, 1.13, 2 threads, on
+/// a virtual machine where a fault costs 6-12 µs; docs/speed.md, "The
+/// forward's scratch kept between calls"); causal and forward+backward
+/// did not move.
 constexpr int64_t kKeptScratchBytes = int64_t{4} << 20;
 
 /// Bytes of scratch the threads keep now (for_each_item), over all threads.
