@@ -23,7 +23,7 @@
 #define MHA_HAS_FUSED_SDPA 0
 #endif
 
-// mha-bench's projections+SDPA contender (tools/bench_sdpa.cpp) calls
+// mha-bench's projections+SDPA contender (tools/bench/bench_sdpa.cpp) calls
 // LibTorch's public `at::scaled_dot_product_attention`, new in 2.0 (1.13
 // has only the internal `_scaled_dot_product_attention`). Below 2.0 its
 // rows say "n/a (LibTorch < 2.0)".

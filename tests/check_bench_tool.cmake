@@ -153,7 +153,7 @@ foreach(config IN LISTS configs)
       endif()
     endforeach()
     # The attention path mha took: one of the three; with weights on CPU in
-    # float32 always the blocked one (src/attention_core.cpp's choose_path).
+    # float32 always the blocked one (src/core/attention_core.cpp's choose_path).
     string(JSON path GET "${json}" rows ${i} mha path)
     if(NOT path MATCHES "^(fused|blocked|explicit)$" OR
        mode STREQUAL "fwd-weights" AND NOT path STREQUAL "blocked")

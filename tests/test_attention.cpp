@@ -22,16 +22,16 @@
 #include <utility>
 #include <vector>
 
-#include "attention_core.h"
-#include "blas_gemm.h"
-#include "blas_threads.h"
-#include "blocked_attention.h"  // kSpreadScores
-#include "fused_softmax.h"
+#include "core/attention_core.h"
+#include "core/blas_gemm.h"
+#include "core/blas_threads.h"
+#include "core/blocked_attention.h"  // kSpreadScores
+#include "core/fused_softmax.h"
 #include "mha/attention.h"
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"
 #include "mha/version.h"
-#include "projection.h"
+#include "modules/projection.h"
 #include "test_helpers.h"
 
 // Fixtures outside the anonymous namespace: tests after its end derive
@@ -1767,7 +1767,7 @@ TEST(SingleThreadedBlas, OverlappingScopesRestoreTheCount) {
   EXPECT_EQ(mha::detail::openblas_threads(), before);
 }
 
-// The fused float32 softmax of the blocked path (src/fused_softmax.h)
+// The fused float32 softmax of the blocked path (src/core/fused_softmax.h)
 // against torch::softmax in float64: widths around the 8-lane vectors, a
 // causal end at several offsets, a sliding window's two edges, a bias along
 // diagonals, -inf entries, fully masked rows, large and tiny scores.
@@ -1842,11 +1842,12 @@ TEST(FusedSoftmax, MatchesTorchSoftmaxRowByRow) {
   }
 }
 
-// The AVX-512 row kernel gives the AVX2 kernel's bits (src/fused_softmax.h):
-// every width from 0 to 80 and some up to 4096 (16-float steps, an 8-float
-// step, a scalar tail), visible ranges at each edge and empty, with and
-// without a bias, and rows of large, tiny, underflowing, -inf, +inf and NaN
-// scores. A NaN result must be NaN in both (its payload is not compared).
+// The AVX-512 row kernel gives the AVX2 kernel's bits
+// (src/core/fused_softmax.h): every width from 0 to 80 and some up to 4096
+// (16-float steps, an 8-float step, a scalar tail), visible ranges at each edge
+// and empty, with and without a bias, and rows of large, tiny, underflowing,
+// -inf, +inf and NaN scores. A NaN result must be NaN in both (its payload is
+// not compared).
 TEST(FusedSoftmax, Avx512RowHasTheAvx2RowsBits) {
 #if !MHA_FUSED_SOFTMAX_X86
   GTEST_SKIP() << "not an x86-64 build: neither row kernel exists";
@@ -2226,8 +2227,8 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
   EXPECT_STREQ(mha::detail::to_string(last_attention_path()), "blocked");
 }
 
-// batched_gemm_out (src/blas_gemm.h): the one-block path's products, BLAS's
-// gemm called directly. Every layout the path passes (plain, transposed
+// batched_gemm_out (src/core/blas_gemm.h): the one-block path's products,
+// BLAS's gemm called directly. Every layout the path passes (plain, transposed
 // views, rows of a wider buffer, matrices of one row), both dtypes, both
 // sides of ATen's 400 multiply-add threshold; against a float64 product
 // and, bit for bit, against ATen's bmm followed by the same multiply (the
@@ -2561,7 +2562,7 @@ void for_each_gemm_case(
   }
 }
 
-// gemm_matrix (src/blas_gemm.h): the per-block path's products, one BLAS
+// gemm_matrix (src/core/blas_gemm.h): the per-block path's products, one BLAS
 // call each, must be ATen's addmm bit for bit: c = alpha · a · b + beta · c
 // for the layouts that path passes (rows of a head, a block's columns
 // transposed, strided output rows; beta 0 over NaN, beta 1 accumulating).
@@ -2604,7 +2605,7 @@ TEST(GemmMatrix, MatchesAtenAddmmBitForBit) {
   }
 }
 
-// onednn_gemm_matrix (src/blas_gemm.h): the per-block path's float32
+// onednn_gemm_matrix (src/core/blas_gemm.h): the per-block path's float32
 // products through oneDNN's dnnl_sgemm. Not BLAS's bits: each result must be
 // the float64 product's within float32 rounding, for the layouts that path
 // passes (rows of a head, a block's columns transposed, strided output rows;

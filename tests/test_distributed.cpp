@@ -22,10 +22,10 @@
 #include <thread>
 #include <vector>
 
-#include "launch.h"
 #include "mha/distributed.h"
 #include "mha/state_dict.h"
 #include "mha/train.h"
+#include "train/launch.h"
 
 namespace {
 

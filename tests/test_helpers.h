@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-#include "attention_core.h"  // SpreadEveryCall
+#include "core/attention_core.h"  // SpreadEveryCall
 
 /// +inf, as float64 (masks, expected errors).
 constexpr double kInf = std::numeric_limits<double>::infinity();

@@ -1,6 +1,6 @@
 // Tests of the position rules of attention beyond plain causal masks: the
 // attention core's diagonal offset, sliding window and per-diagonal bias
-// (src/attention_core.h), ALiBi and T5's buckets (mha/positions.h), and
+// (src/core/attention_core.h), ALiBi and T5's buckets (mha/positions.h), and
 // MultiHeadAttention's window / position_bias options, each against dense
 // references written out here with loops and plain ops.
 #include <gtest/gtest.h>
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "attention_core.h"
+#include "core/attention_core.h"
 #include "mha/multi_head_attention.h"
 #include "mha/positions.h"
 #include "test_helpers.h"

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "attention_core.h"
+#include "core/attention_core.h"
 #include "mha/kv_cache.h"
 #include "mha/multi_head_attention.h"
 #include "test_helpers.h"

@@ -22,8 +22,8 @@
 #include <thread>
 #include <vector>
 
-#include "attention_core.h"  // SpreadEveryCall
-#include "blas_threads.h"
+#include "core/attention_core.h"  // SpreadEveryCall
+#include "core/blas_threads.h"
 #include "mha/multi_head_attention.h"
 
 namespace {

@@ -1,7 +1,7 @@
 // mha::hf, the checkpoint layer (hf_internal.h): the tensors of one layer
 // from a transformers model directory, read through the state-dict readers
-// (src/safetensors.h, src/pytorch_format.h). Single files or shards named by
-// an index's weight_map; only the shards that hold a wanted tensor are
+// (src/io/safetensors.h, src/io/pytorch_format.h). Single files or shards named
+// by an index's weight_map; only the shards that hold a wanted tensor are
 // opened, and of a safetensors file only the wanted tensors' data is read.
 #include <cstdint>
 #include <filesystem>
@@ -15,10 +15,10 @@
 #include <system_error>
 #include <vector>
 
-#include "../pytorch_format.h"
-#include "../safetensors.h"
-#include "../tensor_file.h"
 #include "hf_internal.h"
+#include "io/pytorch_format.h"
+#include "io/safetensors.h"
+#include "io/tensor_file.h"
 
 namespace mha::hf::detail {
 namespace {

@@ -16,8 +16,8 @@
 #include <system_error>
 #include <vector>
 
-#include "../safetensors.h"
-#include "../tensor_file.h"
+#include "io/safetensors.h"
+#include "io/tensor_file.h"
 #include "mha/hf.h"
 #include "mha/parity.h"
 

@@ -10,8 +10,8 @@
 #include <mutex>
 #include <sstream>
 
-#include "atomic_file.h"
 #include "common.h"
+#include "io/atomic_file.h"
 #include "mha/state_dict.h"
 
 namespace mha::train {

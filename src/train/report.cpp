@@ -11,9 +11,9 @@
 #include <sstream>
 #include <utility>
 
-#include "atomic_file.h"
 #include "common.h"
-#include "svg.h"
+#include "io/atomic_file.h"
+#include "plot/svg.h"
 
 namespace mha::train {
 

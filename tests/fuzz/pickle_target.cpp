@@ -1,4 +1,4 @@
-// libFuzzer target: the pickle reader (src/pickle_reader.cpp) on any bytes
+// libFuzzer target: the pickle reader (src/io/pickle_reader.cpp) on any bytes
 // as data.pkl. Each storage it asks for is a tensor of zeros of up to 1 MiB
 // (a record of a file under 1 MiB, the bound) and a refusal beyond. A
 // refusal is a c10::Error; anything else is a finding.
@@ -7,7 +7,7 @@
 #include <string>
 
 #include "fuzz_input.h"
-#include "pickle.h"
+#include "io/pickle.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mha_fuzz::setup();

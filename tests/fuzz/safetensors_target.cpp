@@ -1,4 +1,4 @@
-// libFuzzer target: the safetensors reader (src/safetensors.cpp) on any
+// libFuzzer target: the safetensors reader (src/io/safetensors.cpp) on any
 // bytes. A refusal is a c10::Error; anything else (a crash, a sanitizer
 // report, another exception) is a finding.
 #include <cstddef>
@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "fuzz_input.h"
-#include "safetensors.h"
+#include "io/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mha_fuzz::setup();

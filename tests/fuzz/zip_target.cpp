@@ -1,4 +1,4 @@
-// libFuzzer target: the zip layer (src/zip_archive.cpp, with LibTorch's
+// libFuzzer target: the zip layer (src/io/zip_archive.cpp, with LibTorch's
 // PyTorchStreamReader under it) on any bytes: opens the archive and reads
 // the records a state dict has. A refusal is a c10::Error; anything else is
 // a finding.
@@ -7,7 +7,7 @@
 #include <string>
 
 #include "fuzz_input.h"
-#include "zip_archive.h"
+#include "io/zip_archive.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mha_fuzz::setup();

@@ -1,0 +1,165 @@
+// Internal: what the two forms of the blocked CPU path share. Not
+// installed. blocked_attention.cpp: query rows in blocks per (batch, head),
+// the blocks spread over threads; one_block_attention.cpp: short calls as
+// one block of all heads, with batched calls.
+//
+// Glossary: N batch, H query heads, Hkv key/value heads, L target (query)
+// length, S source (key) length, D and Dv the query/key and value features.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+
+#include "core/attention_core.h"
+#include "core/fused_softmax.h"
+
+namespace mha::detail {
+
+/// What every block of one call shares.
+struct BlockedSpec {
+  torch::Tensor mask;     // additive, 4-D broadcastable to (N, H, L, S), or {}
+  torch::Tensor blocked;  // mask == -inf, same shape, or {}
+  // (Nb, Hb, L) bool, true at the fully masked query rows (fully_masked_rows),
+  // or {} when there is none.
+  torch::Tensor empty;
+  KeyPositions positions;  // its relative_bias travels as an input instead
+  double scale = 1.0;
+  WeightsMode weights = WeightsMode::kNone;
+  int64_t block_rows = 0;
+  // Keep every block's weights for backward instead of recomputing them.
+  bool keep_weights = false;
+  // The whole call is one block of every (n, h): batched ATen calls over
+  // all heads instead of one work item per head (batched_forward).
+  bool one_block = false;
+  // Where the work items run (for_each_item, item_threads).
+  ItemThreads threads = ItemThreads::kAten;
+  // The products through oneDNN (onednn_gemm_matrix, blas_gemm.h), each
+  // call on one thread: in a parallel loop, or in order with the calling
+  // thread's OpenMP thread count held at 1. False: BLAS's gemm
+  // (gemm_matrix), on BLAS's own threads where the items run in order.
+  // Always true where threads is kOpenBlas.
+  bool onednn = false;
+};
+
+/// What blocked_forward and batched_forward return.
+struct BlockedForward {
+  torch::Tensor output;   // (N, H, L, Dv)
+  torch::Tensor weights;  // as spec.weights, or undefined
+  torch::Tensor kept;     // (N, H, L, S) when spec.keep_weights, else {}
+};
+
+/// What blocked_backward and batched_backward return.
+struct BlockedGradients {
+  torch::Tensor dq, dk, dv;
+  torch::Tensor relative_bias;  // like relative_bias when it needs one
+};
+
+/// The per-block form's forward and backward (blocked_attention.cpp, where
+/// their layouts are described): query rows in blocks of spec.block_rows
+/// for each (n, h), spread over threads. blocked_backward writes into
+/// `grads`' dq (any values) and dk, dv (zero on entry) and returns them with
+/// the bias's gradient. Shapes as batched_forward's and batched_backward's.
+BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v,
+                               const torch::Tensor& relative_bias,
+                               const BlockedSpec& spec);
+
+BlockedGradients blocked_backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& relative_bias, const BlockedSpec& spec,
+    const torch::Tensor& kept, const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights, BlockedGradients grads);
+
+/// Runs a blocked call under autograd (blocked_autograd.cpp): output, and
+/// weights when spec asks for them. relative_bias (Hb, L + S - 1)
+/// contiguous, or empty (0) for none. With `packed` undefined, or not a
+/// tensor that q, k and v are views of and cover exactly (attention_core's
+/// `packed`), backward returns a gradient per input; otherwise it returns
+/// one gradient for the packed tensor. Pass `packed` only when a gradient
+/// is needed and the call is not spec.one_block.
+torch::autograd::variable_list apply_blocked(const torch::Tensor& q,
+                                             const torch::Tensor& k,
+                                             const torch::Tensor& v,
+                                             const torch::Tensor& relative_bias,
+                                             const BlockedSpec& spec,
+                                             const torch::Tensor& packed);
+
+/// blocked_attention computes a call as one block when it has at most
+/// kOneBlockRows query rows and kOneBlockScores scores (N·H·L·S, 4 MiB of
+/// float32; also the most it keeps for backward). Measured (attention
+/// alone, float32, D = 64, 2 threads, OpenBLAS): one decoding step of 8
+/// query heads on 2 key/value heads over 96 cached keys 0.03 / 0.09 / 0.36
+/// ms at N = 1 / 8 / 32 against 0.09 / 0.60 / 2.4 ms in per-head items;
+/// (N, H, L, S) = (2, 4, 32, 32) 0.12 against 0.19 ms. From L = 128 the
+/// per-head items were as fast or faster, and a buffer of all scores
+/// is a fresh allocation whose pages fault in on every call.
+constexpr int64_t kOneBlockRows = 32;
+constexpr int64_t kOneBlockScores = int64_t{1} << 20;
+
+/// The per-block path spreads its work items over ATen's threads only for
+/// calls of more than kSpreadScores scores (N·H·L·S); smaller calls run
+/// their items in order on the calling thread, each GEMM on BLAS's own
+/// threads. Why: BLAS's threads, woken by the in-projection just before,
+/// stay busy waiting for their next call (OpenBLAS spins for
+/// OPENBLAS_THREAD_TIMEOUT) on the cores the parallel loop then wants, and
+/// on a small call the loop's gain is less than what that costs.
+/// Measured (mha-bench, LibTorch 1.13.1, OpenBLAS 0.3.21, 2 threads;
+/// docs/speed.md): up to (1, 512, 256, 4) the items in order were faster
+/// or within the noise in every mode; at (1, 1024, 256, 4) causal 0.58 of
+/// torch::nn's time in order against 0.37 spread.
+constexpr int64_t kSpreadScores = int64_t{1} << 20;
+
+/// Calls of at least kOpenBlasScores scores whose products can all go
+/// through oneDNN run their work items on OpenBLAS's threads
+/// (item_threads, attention_core.h), below that in order. Why: OpenBLAS's
+/// idle worker, woken by the in-projection, otherwise keeps a core that the
+/// items want (it spins there from OpenBLAS 0.3.27 on); on its own threads
+/// the items have both cores. Measured (2 threads, PASSIVE; docs/speed.md,
+/// "The blocked path's items on OpenBLAS's threads"): mha-bench, mha /
+/// torch::nn at (2, 128, 256, 4) forward+backward, in order -> OpenBLAS's
+/// threads, 0.82-0.83 -> 0.73-0.74 (LibTorch 1.13) and 0.86 -> 0.76
+/// (2.14); the larger rows' cells 6-31 % less time on 2.14 (two cells'
+/// runs overlapping), and on 1.13 less or the same within the noise but
+/// one (+4 %). Below 2^15 the gain shrinks while waking a sleeping worker
+/// costs more: the core alone at (1, 4, L, 64), no BLAS call before it,
+/// in order against OpenBLAS's threads: L = 64 (2^14 scores) 63 -> 70 µs,
+/// L = 96 123 -> 97 µs, L = 128 266 -> 133 µs; after a 300 ms pause
+/// 429 -> 559 µs at L = 64, 571 -> 575 µs at L = 96.
+constexpr int64_t kOpenBlasScores = int64_t{1} << 15;
+
+/// Whether blocked_attention's float32 calls can make their products
+/// through oneDNN (onednn_gemm_matrix): it is loaded, and this build can
+/// hold it to one thread per call (ATen's loop is an OpenMP region and
+/// item_threads.cpp is compiled with OpenMP). Which calls do:
+/// BlockedSpec::onednn.
+bool onednn_products_available();
+
+/// In place on p (..., rows, cols): the columns outside each row's `limits`
+/// set to -inf, then ATen's softmax over the last dim (the path of dtypes
+/// and CPUs without fused_softmax_rows).
+void limited_softmax(torch::Tensor& p, const RowLimits& limits);
+
+/// Row h (or 0 when shared by every head) of relative_bias (Hb, L + S - 1),
+/// or undefined for the empty placeholder of no bias.
+torch::Tensor bias_row(const torch::Tensor& relative_bias, int64_t h);
+
+/// The forward of spec.one_block calls: output (N, H, L, Dv) contiguous,
+/// weights as spec.weights, all of (N, H, L, S) kept when
+/// spec.keep_weights. q (N, H, L, D), k (N, Hkv, S, D), v (N, Hkv, S, Dv),
+/// relative_bias (Hb, L + S - 1) contiguous or empty (0) for none.
+BlockedForward batched_forward(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v,
+                               const torch::Tensor& relative_bias,
+                               const BlockedSpec& spec);
+
+/// The backward of batched_forward: the steps of blocked_backward, one
+/// batched call per step for each range of (n, key/value head) pairs; the
+/// weights from `kept` (batched_forward's) or recomputed.
+BlockedGradients batched_backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& relative_bias, const BlockedSpec& spec,
+    const torch::Tensor& kept, const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights);
+
+}  // namespace mha::detail
