@@ -144,19 +144,20 @@ struct AttentionCall {
 
 /// Calls of at most this many scores (N·H·L·S) take the blocked path where
 /// it applies, before LibTorch's fused kernel. Measured (mha-bench,
-/// LibTorch 2.14.1, CPU, 2 threads, OpenBLAS 0.3.34; docs/speed.md): at
-/// (2, 128, 256, 4) mha / torch::nn 0.93 fused -> 0.84 blocked over the five
-/// modes without weights (forward+backward 1.04 -> 0.93); at 512 Ki and
-/// 1 Mi scores blocked faster or within the noise in every mode, at 4 Mi
-/// scores sometimes much slower ((1, 1024, 256, 4) inference 0.80 -> 1.07).
+/// LibTorch 2.14.1, CPU, 2 threads, OpenBLAS 0.3.34; docs/speed.md at
+/// 5cc4c3b): at (2, 128, 256, 4) mha / torch::nn 0.93 fused -> 0.84 blocked
+/// over the five modes without weights (forward+backward 1.04 -> 0.93); at
+/// 512 Ki and 1 Mi scores blocked faster or within the noise in every mode,
+/// at 4 Mi scores sometimes much slower ((1, 1024, 256, 4) inference
+/// 0.80 -> 1.07).
 constexpr int64_t kBlockedFirstScores = int64_t{1} << 20;
 
 /// Calls of at least this many scores (N·H·L·S) also take the blocked path
 /// where it applies, before LibTorch's fused kernel. Measured (mha-bench,
 /// LibTorch 2.14.1, CPU, 2 threads, OpenBLAS 0.3.34, both paths forced in
-/// alternating runs; docs/speed.md): from 32 Mi scores the blocked path
-/// was faster or within the noise in every mode at eight shapes of 32 Mi
-/// to 256 Mi scores ((4, 1024, 512, 8) to (1, 8192, 256, 4); at
+/// alternating runs; docs/speed.md at 5cc4c3b): from 32 Mi scores the
+/// blocked path was faster or within the noise in every mode at eight shapes
+/// of 32 Mi to 256 Mi scores ((4, 1024, 512, 8) to (1, 8192, 256, 4); at
 /// (1, 4096, 256, 4) forward+backward 0.62-0.66 of projections + SDPA
 /// against 0.99-1.14 fused); between 1 Mi and 32 Mi it was clearly slower
 /// at some shapes ((1, 1024, 256, 4) and (1, 2048, 256, 4) forward
@@ -175,17 +176,17 @@ constexpr int64_t kBlockedLargeScores = int64_t{1} << 25;
 /// it stops; in order, the worker does the GEMMs' work instead. Where the core
 /// takes much longer than that spell, ATen's threads win once the worker
 /// sleeps. Measured (mha-bench, LibTorch 2.14.1, OpenBLAS 0.3.34, 2 threads,
-/// three alternating runs; docs/speed.md): mha / torch::nn spread -> in order
-/// at (4, 1024, 512, 8) forward 0.55-0.61 -> 0.46, forward+backward 0.70-0.73
-/// -> 0.63-0.66; at (8, 256, 512, 8) with weights 0.87-0.88 -> 0.80-0.81.
-/// At S = 2048 in order lost ((4, 2048, 512, 8) forward 351 -> 374-379 ms),
-/// and (1, 8192, 256, 4) lost in every mode. Between kBlockedFirstScores
-/// and kBlockedLargeScores, the blocked path in order against the fused
-/// kernel (five shapes of 4 Mi to 16 Mi scores, five modes, two alternating
-/// runs): mha's time 1-20 % lower in 24 of 25 cells ((8, 512, 512, 8)
-/// forward 85-94 -> 76-79 ms, mha / projections+SDPA 1.01-1.12 -> 0.92-0.93);
-/// one cell 3 % higher, (1, 1024, 256, 4) forward+backward (0.96 -> 0.99-1.00
-/// of projections+SDPA).
+/// three alternating runs; docs/speed.md at 5cc4c3b): mha / torch::nn
+/// spread -> in order at (4, 1024, 512, 8) forward 0.55-0.61 -> 0.46,
+/// forward+backward 0.70-0.73 -> 0.63-0.66; at (8, 256, 512, 8) with weights
+/// 0.87-0.88 -> 0.80-0.81. At S = 2048 in order lost ((4, 2048, 512, 8)
+/// forward 351 -> 374-379 ms), and (1, 8192, 256, 4) lost in every mode.
+/// Between kBlockedFirstScores and kBlockedLargeScores, the blocked path in
+/// order against the fused kernel (five shapes of 4 Mi to 16 Mi scores, five
+/// modes, two alternating runs): mha's time 1-20 % lower in 24 of 25 cells
+/// ((8, 512, 512, 8) forward 85-94 -> 76-79 ms, mha / projections+SDPA
+/// 1.01-1.12 -> 0.92-0.93); one cell 3 % higher, (1, 1024, 256, 4)
+/// forward+backward (0.96 -> 0.99-1.00 of projections+SDPA).
 constexpr int64_t kInOrderKeys = 1024;
 
 /// The fused kernel applies: built in (LibTorch >= 2.5), no weights asked
@@ -327,9 +328,9 @@ int64_t for_each_item(int64_t items, int64_t scratch_elements,
 /// fault for each 4 KiB on first touch: kept, the (1, 4096, 512, 8)
 /// inference forward took 167 ms against 181 and (1, 8192, 256, 4) 300
 /// against 305 (medians of 5 alternating processes, 1.13, 2 threads, on
-/// a virtual machine where a fault costs 6-12 µs; docs/speed.md, "The
-/// forward's scratch kept between calls"); causal and forward+backward
-/// did not move.
+/// a virtual machine where a fault costs 6-12 µs; docs/speed.md at
+/// 5cc4c3b, "The forward's scratch kept between calls"); causal and
+/// forward+backward did not move.
 constexpr int64_t kKeptScratchBytes = int64_t{4} << 20;
 
 /// Bytes of scratch the threads keep now (for_each_item), over all threads.

@@ -145,7 +145,8 @@ int openblas_pool_threads();
 /// idle workers spinning on the cores for tens of milliseconds
 /// (openblas_workers_spin), and a loop on ATen's threads then shares the
 /// cores with them. Run on the workers themselves, it has the cores to
-/// itself (docs/speed.md, "The blocked path's items on OpenBLAS's threads").
+/// itself (docs/speed.md at 5cc4c3b, "The blocked path's items on OpenBLAS's
+/// threads").
 void run_on_openblas_threads(int threads, const std::function<void(int)>& task);
 
 /// The kernel set OpenBLAS chose ("SkylakeX", "Haswell", "Prescott", ...,

@@ -105,9 +105,9 @@ constexpr int64_t kOneBlockScores = int64_t{1} << 20;
 /// OPENBLAS_THREAD_TIMEOUT) on the cores the parallel loop then wants, and
 /// on a small call the loop's gain is less than what that costs.
 /// Measured (mha-bench, LibTorch 1.13.1, OpenBLAS 0.3.21, 2 threads;
-/// docs/speed.md): up to (1, 512, 256, 4) the items in order were faster
-/// or within the noise in every mode; at (1, 1024, 256, 4) causal 0.58 of
-/// torch::nn's time in order against 0.37 spread.
+/// docs/speed.md at 5cc4c3b): up to (1, 512, 256, 4) the items in order
+/// were faster or within the noise in every mode; at (1, 1024, 256, 4)
+/// causal 0.58 of torch::nn's time in order against 0.37 spread.
 constexpr int64_t kSpreadScores = int64_t{1} << 20;
 
 /// Calls of at least kOpenBlasScores scores whose products can all go
@@ -115,17 +115,17 @@ constexpr int64_t kSpreadScores = int64_t{1} << 20;
 /// (item_threads, attention_core.h), below that in order. Why: OpenBLAS's
 /// idle worker, woken by the in-projection, otherwise keeps a core that the
 /// items want (it spins there from OpenBLAS 0.3.27 on); on its own threads
-/// the items have both cores. Measured (2 threads, PASSIVE; docs/speed.md,
-/// "The blocked path's items on OpenBLAS's threads"): mha-bench, mha /
-/// torch::nn at (2, 128, 256, 4) forward+backward, in order -> OpenBLAS's
-/// threads, 0.82-0.83 -> 0.73-0.74 (LibTorch 1.13) and 0.86 -> 0.76
-/// (2.14); the larger rows' cells 6-31 % less time on 2.14 (two cells'
-/// runs overlapping), and on 1.13 less or the same within the noise but
-/// one (+4 %). Below 2^15 the gain shrinks while waking a sleeping worker
-/// costs more: the core alone at (1, 4, L, 64), no BLAS call before it,
-/// in order against OpenBLAS's threads: L = 64 (2^14 scores) 63 -> 70 µs,
-/// L = 96 123 -> 97 µs, L = 128 266 -> 133 µs; after a 300 ms pause
-/// 429 -> 559 µs at L = 64, 571 -> 575 µs at L = 96.
+/// the items have both cores. Measured (2 threads, PASSIVE; docs/speed.md
+/// at 5cc4c3b, "The blocked path's items on OpenBLAS's threads"):
+/// mha-bench, mha / torch::nn at (2, 128, 256, 4) forward+backward, in
+/// order -> OpenBLAS's threads, 0.82-0.83 -> 0.73-0.74 (LibTorch 1.13) and
+/// 0.86 -> 0.76 (2.14); the larger rows' cells 6-31 % less time on 2.14
+/// (two cells' runs overlapping), and on 1.13 less or the same within the
+/// noise but one (+4 %). Below 2^15 the gain shrinks while waking a
+/// sleeping worker costs more: the core alone at (1, 4, L, 64), no BLAS
+/// call before it, in order against OpenBLAS's threads: L = 64 (2^14
+/// scores) 63 -> 70 µs, L = 96 123 -> 97 µs, L = 128 266 -> 133 µs; after
+/// a 300 ms pause 429 -> 559 µs at L = 64, 571 -> 575 µs at L = 96.
 constexpr int64_t kOpenBlasScores = int64_t{1} << 15;
 
 /// Whether blocked_attention's float32 calls can make their products

@@ -7,11 +7,12 @@
 // Why: in the blocked path the causal triangle took a masked_fill, the
 // softmax a LibTorch kernel call, and fully masked rows an isnan scan, each
 // a pass over the block; at long sequences this was a quarter of the
-// forward time (mha-bench, docs/speed.md). Here one parallel loop over the rows
-// does it all, three passes over a row that stays in cache: its maximum,
-// exp and sum (written back), the normalisation. Measured on this project's
-// VM: 1.4-1.5x LibTorch 1.13's softmax alone on 128-256 x 256-4096 blocks,
-// 2.6-3.2x counting the causal masked_fill (docs/speed.md).
+// forward time (mha-bench, docs/speed.md at 5cc4c3b). Here one parallel loop
+// over the rows does it all, three passes over a row that stays in cache: its
+// maximum, exp and sum (written back), the normalisation. Measured on this
+// project's VM: 1.4-1.5x LibTorch 1.13's softmax alone on 128-256 x 256-4096
+// blocks, 2.6-3.2x counting the causal masked_fill (docs/speed.md at
+// 5cc4c3b).
 //
 // exp: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, then a
 // degree-7 polynomial for e^r (the coefficients of Cephes' expf, S. Moshier)
