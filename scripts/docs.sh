@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the API reference and the guides with Doxygen:
-# build/docs/html/index.html (the README is its front page). Installs what
+# build/docs/html/index.html (the README is its front page), in the
+# doxygen-awesome-css theme where it is installed. Installs what
 # is missing and configures ./build (scripts/configure.sh), and prints
 # Doxygen's warnings (CTest docs.doxygen fails on any).
 set -euo pipefail

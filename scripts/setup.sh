@@ -15,6 +15,7 @@ packages=(
   pkg-config            # the consumer test built with `pkg-config --cflags --libs mha`
   dpkg-dev file         # dpkg-shlibdeps and file(1) for `cpack -G DEB`
   doxygen               # the API reference and guides (scripts/docs.sh, CTest docs.doxygen)
+  doxygen-awesome-css   # their theme (without it: Doxygen's default look)
   cmake g++ make ninja-build
 )
 
