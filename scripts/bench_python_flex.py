@@ -20,10 +20,10 @@ Python's default block size 128 (B = H = None):
 
 For each case: the block mask's sparsity and creation time (eager), the
 time of the first call (compilation plus one run: inductor's caches point to
-a fresh temporary folder unless TORCHINDUCTOR_CACHE_DIR is set, so nothing
-is reused from an earlier run; for sdpa_causal it is just the first call),
-then, after --warmup more calls, the median and the minimum of --runs timed
-calls (steady state). Each output is checked against a dense float64
+a fresh temporary folder, removed at exit, unless TORCHINDUCTOR_CACHE_DIR is
+set, so nothing is reused from an earlier run; for sdpa_causal it is just
+the first call), then, after --warmup more calls, the median and the
+minimum of --runs timed calls (steady state). Each output is checked against a dense float64
 reference on the last 128 query rows (err). OMP_WAIT_POLICY is PASSIVE
 unless set otherwise, as in mha's own tools (mha-bench).
 
@@ -41,8 +41,10 @@ libsleef-dev".) Compilation needs a C++ compiler in the chroot (g++).
 """
 
 import argparse
+import atexit
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,6 +57,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(
         prefix="bench_python_flex-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                    ignore_errors=True)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
