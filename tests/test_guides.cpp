@@ -152,6 +152,36 @@ TEST(GuideBlocks, position_biases) {
   EXPECT_GT(table.grad().abs().sum().item<float>(), 0.0f);
 }
 
+// docs/flex.md
+TEST(GuideBlocks, flex_softcap) {
+  torch::manual_seed(0);
+#include "guide_flex_softcap.inc"
+  EXPECT_EQ(out.sizes(), torch::IntArrayRef({1, 8, 256, 64}));
+  EXPECT_EQ(lse.sizes(), torch::IntArrayRef({1, 8, 256}));
+  EXPECT_DOUBLE_EQ(block_mask.sparsity(), 25.0);  // 2 x 2 blocks, 1 skipped
+  // Row 0 attends to key 0 alone: its output is v's row 0.
+  EXPECT_TRUE(torch::allclose(out.select(2, 0), v.select(2, 0), 1e-5, 1e-6));
+}
+
+TEST(GuideBlocks, flex_learned_bias) {
+  torch::manual_seed(0);
+#include "guide_flex_learned_bias.inc"
+  ASSERT_TRUE(table.grad().defined());
+  EXPECT_EQ(table.grad().sizes(), torch::IntArrayRef({4, 255}));
+  EXPECT_GT(table.grad().abs().sum().item<float>(), 0.0f);
+  EXPECT_FALSE(unused.defined());
+}
+
+TEST(GuideBlocks, flex_packed) {
+  torch::manual_seed(0);
+  torch::NoGradGuard no_grad;
+#include "guide_flex_packed.inc"
+  auto [alone, w2] = attn->forward(x.narrow(1, 30, 70), {}, {}, {}, false, {},
+                                   true, /*is_causal=*/true);
+  EXPECT_TRUE(torch::allclose(packed.narrow(1, 30, 70), alone, 1e-5, 1e-5));
+  EXPECT_FALSE(w.defined());
+}
+
 // docs/decoding.md
 TEST(GuideBlocks, kv_cache) {
   torch::manual_seed(0);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "mha/attention.h"
+#include "mha/flex_attention.h"
 #include "mha/hf.h"
 #include "mha/kv_cache.h"
 #include "mha/masks.h"

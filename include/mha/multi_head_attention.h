@@ -15,6 +15,7 @@
 
 #include <tuple>
 
+#include "mha/flex_attention.h"
 #include "mha/kv_cache.h"
 #include "mha/positions.h"
 
@@ -117,6 +118,15 @@ struct MultiHeadAttentionOptions {
   /// `scale` of PyTorch's scaled_dot_product_attention (2.1+). Must be
   /// finite (c10::Error otherwise).
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// A score modification applied on every call of the module (forward,
+  /// forward_cached, forward_projected), FlexAttention's score_mod
+  /// (mha/flex_attention.h): called on the scaled scores (after a position
+  /// bias, before the masks) with the batch, the query head, the query row
+  /// of the call (forward_cached: 0..T-1 of the new tokens) and the key
+  /// index. E.g. Gemma 2's soft-capping of the attention logits,
+  /// `softcap * tanh(score / softcap)` (transformers' Gemma2Attention,
+  /// config.attn_logit_softcapping). Empty (default): none.
+  TORCH_ARG(ScoreMod, score_mod) = {};
 };
 
 /// The keys and values of a fixed key/value sequence (an encoder's memory)
@@ -196,16 +206,25 @@ class MultiHeadAttentionImpl
   /// bias and window as a dense (N, H, L, S) mask. Left padding as HF:
   /// positions = cumsum(keep) - 1 with key_padding_mask blocking the pads.
   ///
+  /// block_mask: a FlexAttention BlockMask (mha/flex_attention.h) made for
+  /// q_len = L and kv_len = S' (B of 1 or N, H of 1 or num_heads): only its
+  /// visited blocks are computed, its partial ones masked by its mask_mod
+  /// (true = may attend), on top of the masks above; e.g. the documents of
+  /// a packed batch (create_document_block_mask) with positions restarting
+  /// in each document. Default: none.
+  ///
   /// Throws c10::Error naming the argument, its shape or dtype and what was
   /// expected: wrong dims or feature sizes, batch or length mismatches, key
   /// without value, masks of the wrong shape, integer masks, another device,
-  /// positions of the wrong shape or dtype or with cross-attention.
+  /// positions of the wrong shape or dtype or with cross-attention, a
+  /// block_mask made for other lengths, batch or heads.
   std::tuple<torch::Tensor, torch::Tensor> forward(
       const torch::Tensor& query, const torch::Tensor& key = {},
       const torch::Tensor& value = {},
       const torch::Tensor& key_padding_mask = {}, bool need_weights = true,
       const torch::Tensor& attn_mask = {}, bool average_attn_weights = true,
-      bool is_causal = false, const torch::Tensor& positions = {});
+      bool is_causal = false, const torch::Tensor& positions = {},
+      const BlockMask& block_mask = {});
 
   /// Self-attention for incremental decoding: projects query (N, T, E)
   /// ((T, N, E) if !batch_first; (T, E) unbatched, N = 1), appends its keys
@@ -271,8 +290,9 @@ class MultiHeadAttentionImpl
       bool average_attn_weights = true);
 
  protected:
-  // Defaults of forward's arguments 1..8: key, value, key_padding_mask,
-  // need_weights, attn_mask, average_attn_weights, is_causal, positions.
+  // Defaults of forward's arguments 1..9: key, value, key_padding_mask,
+  // need_weights, attn_mask, average_attn_weights, is_causal, positions,
+  // block_mask.
   FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
                            {2, torch::nn::AnyValue(torch::Tensor())},
                            {3, torch::nn::AnyValue(torch::Tensor())},
@@ -280,7 +300,8 @@ class MultiHeadAttentionImpl
                            {5, torch::nn::AnyValue(torch::Tensor())},
                            {6, torch::nn::AnyValue(true)},
                            {7, torch::nn::AnyValue(false)},
-                           {8, torch::nn::AnyValue(torch::Tensor())})
+                           {8, torch::nn::AnyValue(torch::Tensor())},
+                           {9, torch::nn::AnyValue(BlockMask())})
 
  public:
   /// Checks the options and (re)creates every parameter.

@@ -133,17 +133,23 @@ class TransformerEncoderLayerImpl
   /// nothing (attention result 0), never NaN. Padded positions are computed
   /// like any other and not zeroed; their values carry no meaning.
   ///
+  /// block_mask: a FlexAttention BlockMask for the self-attention
+  /// (MultiHeadAttention::forward's), e.g. the documents of a packed batch;
+  /// default none.
+  ///
   /// Returns a tensor of src's shape. Throws c10::Error naming the argument,
   /// its shape and what was expected (wrong d_model, mask shapes, dtypes).
   torch::Tensor forward(const torch::Tensor& src,
                         const torch::Tensor& src_mask = {},
                         const torch::Tensor& src_key_padding_mask = {},
-                        bool is_causal = false);
+                        bool is_causal = false,
+                        const BlockMask& block_mask = {});
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
                            {2, torch::nn::AnyValue(torch::Tensor())},
-                           {3, torch::nn::AnyValue(false)})
+                           {3, torch::nn::AnyValue(false)},
+                           {4, torch::nn::AnyValue(BlockMask())})
 
  public:
   /// Checks the options and (re)creates every submodule.
@@ -174,7 +180,8 @@ class TransformerEncoderLayerImpl
   torch::Tensor self_attention_block(const torch::Tensor& x,
                                      const torch::Tensor& src_mask,
                                      const torch::Tensor& src_key_padding_mask,
-                                     bool is_causal);
+                                     bool is_causal,
+                                     const BlockMask& block_mask);
   torch::Tensor feed_forward_block(const torch::Tensor& x);
 };
 
@@ -223,12 +230,14 @@ class TransformerEncoderImpl
   torch::Tensor forward(const torch::Tensor& src,
                         const torch::Tensor& mask = {},
                         const torch::Tensor& src_key_padding_mask = {},
-                        bool is_causal = false);
+                        bool is_causal = false,
+                        const BlockMask& block_mask = {});
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
                            {2, torch::nn::AnyValue(torch::Tensor())},
-                           {3, torch::nn::AnyValue(false)})
+                           {3, torch::nn::AnyValue(false)},
+                           {4, torch::nn::AnyValue(BlockMask())})
 
  public:
   /// Checks the options and (re)creates the layers (deep copies of

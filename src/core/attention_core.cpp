@@ -8,8 +8,11 @@
 // size, "..." any leading (batch, head) dims.
 #include "core/attention_core.h"
 
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "compat.h"
 #include "mha/masks.h"
@@ -53,19 +56,69 @@ torch::Tensor with_positions(const torch::Tensor& mask,
 
 }  // namespace
 
+namespace {
+
+/// int64 (sizes) of t's dtype kLong holding 0..n-1 along dim `dim` of a
+/// `dims`-D tensor, size 1 elsewhere: index tensors for a mod.
+torch::Tensor index_along(int64_t n, int64_t dim, int64_t dims,
+                          const torch::Device& device) {
+  std::vector<int64_t> shape(dims, 1);
+  shape[dim] = n;
+  return torch::arange(n, torch::TensorOptions(device).dtype(torch::kLong))
+      .view(shape);
+}
+
+/// bool (N, H, L, S): true where the block mask lets query i of batch n and
+/// head h see key j: its block is full, or partial and mask_mod allows (as
+/// Python, mask_mod sees the call's n and h; the mask's B or H of size 1
+/// broadcasts).
+torch::Tensor dense_block_mask(const BlockMask& mask, int64_t N, int64_t H,
+                               const torch::Device& device) {
+  const auto L = mask.q_len, S = mask.kv_len;
+  auto expand_blocks = [&](const torch::Tensor& blocks) {  // (Bm, Hm, nq, nkv)
+    return blocks.to(device)
+        .repeat_interleave(mask.block_q, 2)
+        .narrow(2, 0, L)
+        .repeat_interleave(mask.block_kv, 3)
+        .narrow(3, 0, S);  // (Bm, Hm, L, S)
+  };
+  BlockMask partial = mask;
+  partial.full_kv_num_blocks = torch::Tensor();
+  partial.full_kv_indices = torch::Tensor();
+  auto visited_partial = expand_blocks(partial.to_dense());
+  auto allowed = call_mask_mod(
+      mask.mask_mod, index_along(N, 0, 4, device), index_along(H, 1, 4, device),
+      index_along(L, 2, 4, device), index_along(S, 3, 4, device),
+      {N, H, L, S});
+  allowed = allowed.logical_and(visited_partial);
+  if (mask.full_kv_num_blocks.defined()) {
+    BlockMask full = mask;
+    full.kv_num_blocks = mask.full_kv_num_blocks;
+    full.kv_indices = mask.full_kv_indices;
+    full.full_kv_num_blocks = torch::Tensor();
+    full.full_kv_indices = torch::Tensor();
+    allowed = allowed.logical_or(expand_blocks(full.to_dense()));
+  }
+  return allowed;
+}
+
+}  // namespace
+
 AttentionResult explicit_attention(const torch::Tensor& query,
                                    const torch::Tensor& key,
                                    const torch::Tensor& value,
                                    const torch::Tensor& mask_in,
                                    const KeyPositions& positions,
                                    double dropout_p, double scale,
-                                   WeightsMode weights_mode) {
+                                   WeightsMode weights_mode,
+                                   const FlexMods* flex) {
   const auto dtype = query.scalar_type();
+  const bool is_flex = flex != nullptr && flex->active();
   // broadcastable to (..., L, S)
   auto mask = with_positions(mask_in, positions, query, key);
   torch::Tensor blocked;       // broadcastable to (..., L, S): mask == -inf
   torch::Tensor blocked_rows;  // (..., L, 1) true where every key is blocked
-  if (mask.defined()) {
+  if (mask.defined() && !is_flex) {
     blocked = mask.eq(kNegInf);
     auto rows = blocked.all(/*dim=*/-1, /*keepdim=*/true);
     // On CPU, asking whether any row is fully masked is cheap and saves
@@ -87,18 +140,49 @@ AttentionResult explicit_attention(const torch::Tensor& query,
                                     key.size(-2));
     scores = scores + (query.dim() == 4 ? bias : bias.squeeze(0));
   }
-  if (mask.defined()) {
+  if (is_flex) {
+    // (N, H, L, S): score_mod on every score, then the masks; a row whose
+    // every score ends -inf (masked, or so modified) is fully masked, as
+    // in Python's FlexAttention.
+    const auto device = query.device();
+    const auto N = query.size(0), H = query.size(1);
+    const auto L = query.size(2), S = key.size(2);
+    if (flex->score_mod) {
+      scores = call_score_mod(flex->score_mod, scores,
+                              index_along(N, 0, 4, device),
+                              index_along(H, 1, 4, device),
+                              index_along(L, 2, 4, device),
+                              index_along(S, 3, 4, device));
+    }
+    if (mask.defined()) {
+      // -inf set, not added (a +inf score would give NaN).
+      scores = scores.add(mask).masked_fill(mask.eq(kNegInf), kNegInf);
+    }
+    if (!flex->block_mask.empty()) {
+      scores = scores.masked_fill(
+          dense_block_mask(flex->block_mask, N, H, device).logical_not(),
+          kNegInf);
+    }
+    blocked_rows = scores.eq(kNegInf).all(/*dim=*/-1, /*keepdim=*/true);
+  } else if (mask.defined()) {
     // Adding -inf to a score that overflowed to +inf would give NaN: blocked
     // positions are set to -inf, not added to.
     scores.add_(mask).masked_fill_(blocked, kNegInf);  // (..., L, S)
+  }
+  const bool half = dtype == torch::kHalf || dtype == torch::kBFloat16;
+  torch::Tensor lse;
+  if (is_flex && flex->return_lse) {
+    // (N, H, L): float32 for float16/bfloat16, as Python's; no gradient.
+    lse = (half ? scores.detach().to(torch::kFloat) : scores.detach())
+              .logsumexp(/*dim=*/-1)
+              .masked_fill(blocked_rows.squeeze(-1), kNegInf);
   }
   if (blocked_rows.defined()) {
     // A fully masked row would be softmax(-inf, ..., -inf) = NaN. Give it
     // finite scores, then zero its weights: the output row is 0 and no
     // gradient flows into it.
-    scores.masked_fill_(blocked_rows, 0.0);
+    scores = scores.masked_fill(blocked_rows, 0.0);
   }
-  const bool half = dtype == torch::kHalf || dtype == torch::kBFloat16;
   auto weights = half ? torch::softmax(scores, /*dim=*/-1, torch::kFloat)
                             .to(dtype)  // accumulated in float32
                       : torch::softmax(scores, /*dim=*/-1);  // (..., L, S)
@@ -113,7 +197,102 @@ AttentionResult explicit_attention(const torch::Tensor& query,
     // 0 · (a non-finite value) would be NaN: a fully masked row is 0.
     output = output.masked_fill(blocked_rows, 0.0);  // (..., L, Ev)
   }
-  return {output, shape_weights(weights, weights_mode)};
+  return {output, shape_weights(weights, weights_mode), lse};
+}
+
+// ----------------------------------------------------------- flex's mods ---
+
+std::vector<torch::Tensor> flex_captured_leaves(
+    const ScoreMod& score_mod, const torch::TensorOptions& options) {
+  std::vector<torch::Tensor> leaves;
+  if (!score_mod || !torch::GradMode::is_enabled()) {
+    return leaves;
+  }
+  const auto index = torch::zeros({}, options.dtype(torch::kLong));
+  const auto score = torch::zeros({1}, options).requires_grad_();
+  const auto probe =
+      call_score_mod(score_mod, score, index, index, index, index);
+  // Every leaf the result's graph reaches, but the score itself.
+  std::vector<torch::autograd::Node*> stack;
+  std::vector<const torch::autograd::Node*> seen;
+  if (probe.grad_fn()) {
+    stack.push_back(probe.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (std::find(seen.begin(), seen.end(), node) != seen.end()) {
+      continue;
+    }
+    seen.push_back(node);
+    if (auto* accumulate =
+            dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      const auto& leaf = accumulate->variable;
+      if (!leaf.is_same(score)) {
+        leaves.push_back(leaf);
+      }
+      continue;
+    }
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  return leaves;
+}
+
+torch::Tensor call_score_mod(const ScoreMod& score_mod,
+                             const torch::Tensor& score, const torch::Tensor& b,
+                             const torch::Tensor& h, const torch::Tensor& q_idx,
+                             const torch::Tensor& kv_idx) {
+  torch::Tensor result;
+  try {
+    result = score_mod(score, b, h, q_idx, kv_idx);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "flex_attention: score_mod threw: ", e.what());
+  }
+  TORCH_CHECK(result.defined(),
+              "flex_attention: score_mod returned an undefined tensor; "
+              "expected the modified scores, broadcastable to ",
+              score.sizes());
+  TORCH_CHECK(result.is_floating_point(),
+              "flex_attention: score_mod returned a tensor of dtype ",
+              result.scalar_type(), "; expected a floating score (",
+              score.scalar_type(), ")");
+  std::vector<int64_t> target = score.sizes().vec();
+  check_broadcastable(result, "flex_attention: score_mod's result", target,
+                      "the scores' shape");
+  if (result.scalar_type() != score.scalar_type()) {
+    result = result.to(score.scalar_type());
+  }
+  return result.sizes() == score.sizes() ? result : result.expand(target);
+}
+
+torch::Tensor call_mask_mod(const MaskMod& mask_mod, const torch::Tensor& b,
+                            const torch::Tensor& h, const torch::Tensor& q_idx,
+                            const torch::Tensor& kv_idx,
+                            torch::IntArrayRef shape) {
+  TORCH_CHECK(bool(mask_mod),
+              "flex_attention: the block mask has no mask_mod (an empty "
+              "function) but partial blocks");
+  torch::Tensor result;
+  try {
+    result = mask_mod(b, h, q_idx, kv_idx);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "flex_attention: mask_mod threw: ", e.what());
+  }
+  TORCH_CHECK(result.defined(),
+              "flex_attention: mask_mod returned an undefined tensor; "
+              "expected bool, broadcastable to ",
+              shape);
+  TORCH_CHECK(result.scalar_type() == torch::kBool,
+              "flex_attention: mask_mod returned a tensor of dtype ",
+              result.scalar_type(),
+              "; expected bool (true = may attend)");
+  check_broadcastable(result, "flex_attention: mask_mod's result", shape,
+                      "the block's shape");
+  return result.expand(shape);
 }
 
 // ------------------------------------------------------------ the dispatch ---
@@ -219,9 +398,28 @@ AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& mask,
                                const KeyPositions& positions, double dropout_p,
                                double scale, WeightsMode weights,
-                               const torch::Tensor& packed) {
+                               const torch::Tensor& packed,
+                               const FlexMods* flex_in) {
   auto call =
       AttentionCall::of(query, key_in, mask, positions, dropout_p, weights);
+  if (flex_in != nullptr && flex_in->active()) {
+    // LibTorch's kernel has no place for the mods: blocked, else explicit.
+    FlexMods flex = *flex_in;
+    flex.captured = flex_captured_leaves(flex.score_mod, query.options());
+    if (blocked_applies(call) && query.dim() == 4) {
+      last_path = AttentionPath::kBlocked;
+      return blocked_attention(query, key_in, value_in, mask, positions,
+                               scale, weights, /*block_rows=*/0,
+                               KeptWeights::kNever, packed, &flex);
+    }
+    last_path = AttentionPath::kExplicit;
+    const auto heads = query.size(1);
+    auto copied = [&](const torch::Tensor& t) {
+      return t.size(1) != heads ? repeat_kv(t, heads) : t;
+    };
+    return explicit_attention(query, copied(key_in), copied(value_in), mask,
+                              positions, dropout_p, scale, weights, &flex);
+  }
   TORCH_INTERNAL_ASSERT(!call.grouped || query.size(1) % key_in.size(1) == 0,
                         "attention_core: key/value heads must divide query's");
   // Paths other than blocked get each query head its key/value head, copied.

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "core/blas_threads.h"
+#include "mha/flex_attention.h"
 #include "mha/version.h"
 
 namespace mha::detail {
@@ -27,7 +28,52 @@ enum class WeightsMode {
 struct AttentionResult {
   torch::Tensor output;   // (..., L, Ev)
   torch::Tensor weights;  // as WeightsMode, after dropout, or undefined
+  torch::Tensor lse;      // (..., L) when FlexMods::return_lse, else undefined
 };
+
+/// FlexAttention's parts of a call (mha/flex_attention.h), on top of the
+/// mask and positions every call has: a score modification applied to the
+/// scaled scores (after a relative bias, before the masks), and a block mask
+/// whose unvisited blocks are skipped and whose partial blocks are masked
+/// by its mask_mod. Calls with one take the blocked path or, where it does
+/// not apply, the explicit one.
+struct FlexMods {
+  ScoreMod score_mod;    ///< empty: none
+  BlockMask block_mask;  ///< empty: none
+  /// The leaves requiring grad that score_mod's result depends on (through
+  /// captured tensors), found by flex_captured_leaves: the blocked path's
+  /// backward returns their gradients.
+  std::vector<torch::Tensor> captured;
+  /// Also return each row's logsumexp (AttentionResult::lse).
+  bool return_lse = false;
+
+  bool active() const {
+    return bool(score_mod) || !block_mask.empty() || return_lse;
+  }
+};
+
+/// The leaves requiring grad that score_mod's result reaches through its
+/// autograd graph, found by calling it once on one element (b = h = q_idx =
+/// kv_idx = 0) with grad mode on; empty when grad mode is off or there is
+/// none. `options`: the scores' dtype and device.
+std::vector<torch::Tensor> flex_captured_leaves(
+    const ScoreMod& score_mod, const torch::TensorOptions& options);
+
+/// score_mod's result on `score` (any shape) with its index tensors, checked
+/// and made score's shape and dtype (a copy). Throws c10::Error naming the
+/// mod when it throws, returns a non-floating tensor or a shape that does
+/// not broadcast to score's.
+torch::Tensor call_score_mod(const ScoreMod& score_mod,
+                             const torch::Tensor& score, const torch::Tensor& b,
+                             const torch::Tensor& h, const torch::Tensor& q_idx,
+                             const torch::Tensor& kv_idx);
+
+/// mask_mod's result (true = may attend) expanded to `shape`, checked as
+/// call_score_mod's (bool only).
+torch::Tensor call_mask_mod(const MaskMod& mask_mod, const torch::Tensor& b,
+                            const torch::Tensor& h, const torch::Tensor& q_idx,
+                            const torch::Tensor& kv_idx,
+                            torch::IntArrayRef shape);
 
 /// Which keys each query sees, and biases that depend on positions only,
 /// beyond an explicit mask. Query row i sits at key position i + diagonal
@@ -228,23 +274,28 @@ AttentionPath last_attention_path();
 /// heads; the blocked path then computes their gradients into one tensor
 /// laid out like it (no copies to undo the views), where query, key and
 /// value are still views of it (not after a rotation). The caller
-/// guarantees the disjointness.
+/// guarantees the disjointness. `flex`: null, or FlexMods for 4-D inputs
+/// (active ones take the blocked path where it applies, else the explicit
+/// one; a relative bias in `positions` is added before score_mod).
 AttentionResult attention_core(const torch::Tensor& query,
                                const torch::Tensor& key,
                                const torch::Tensor& value,
                                const torch::Tensor& mask,
                                const KeyPositions& positions, double dropout_p,
                                double scale, WeightsMode weights,
-                               const torch::Tensor& packed = {});
+                               const torch::Tensor& packed = {},
+                               const FlexMods* flex = nullptr);
 
-/// The explicit path: whole (..., L, S) score and weight tensors.
+/// The explicit path: whole (..., L, S) score and weight tensors. With
+/// `flex` (4-D inputs), its score_mod and block mask applied to them.
 AttentionResult explicit_attention(const torch::Tensor& query,
                                    const torch::Tensor& key,
                                    const torch::Tensor& value,
                                    const torch::Tensor& mask,
                                    const KeyPositions& positions,
                                    double dropout_p, double scale,
-                                   WeightsMode weights);
+                                   WeightsMode weights,
+                                   const FlexMods* flex = nullptr);
 
 /// Whether blocked attention keeps each block's weights for backward.
 enum class KeptWeights {
@@ -267,7 +318,11 @@ enum class KeptWeights {
 /// block_rows 0 are one block of all heads instead: each step one batched
 /// call per share of the (n, key/value head) pairs, the grouped query heads
 /// stacked by rows, no per-head calls. Same contract as attention_core,
-/// without dropout; `packed` as attention_core's.
+/// without dropout; `packed` and `flex` as attention_core's. With an
+/// active `flex`, a block is one query block of its block mask (or
+/// block_rows as above where it has none) and its columns the keys of the
+/// visited key blocks, side by side; nothing is kept for backward, and the
+/// items run on ATen's threads or in order (the mods are user code).
 AttentionResult blocked_attention(const torch::Tensor& query,
                                   const torch::Tensor& key,
                                   const torch::Tensor& value,
@@ -275,7 +330,8 @@ AttentionResult blocked_attention(const torch::Tensor& query,
                                   const KeyPositions& positions, double scale,
                                   WeightsMode weights, int64_t block_rows = 0,
                                   KeptWeights kept = KeptWeights::kAuto,
-                                  const torch::Tensor& packed = {});
+                                  const torch::Tensor& packed = {},
+                                  const FlexMods* flex = nullptr);
 
 /// Where for_each_item runs its work items.
 enum class ItemThreads : int64_t {

@@ -12,7 +12,9 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "core/blas_gemm.h"
 #include "core/blas_threads.h"
@@ -149,11 +151,24 @@ StridedMatrix rows_of(const torch::Tensor& t, int64_t n, int64_t h,
   return {first, rows, t.size(3), t.stride(2), t.stride(3)};
 }
 
-/// One block: query rows [row0, row0 + rows) and the key columns
-/// [col0, col0 + cols) any of them can see (cols may be 0).
+/// A run of keys a block computes: keys [key0, key0 + cols) sit at columns
+/// [col, col + cols) of the block's scores.
+struct KeySpan {
+  int64_t key0 = 0, cols = 0, col = 0;
+};
+
+/// One block: query rows [row0, row0 + rows) and the keys any of them can
+/// see, `cols` in all, side by side in `spans`: one run [col0, col0 + cols)
+/// from the positions' limits, or, for a flex call with a block mask, the
+/// keys of the visited key blocks (within those limits), adjacent blocks
+/// joined into one run; `partial` lists its partial blocks' keys (mask_mod
+/// is evaluated there).
 struct Block {
   int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
   int64_t L = 0;  // query rows in all: relative_bias[h][j - i + L - 1]
+  std::vector<KeySpan> spans;
+  std::vector<KeySpan> partial;  // flex: the partial blocks' keys
+  bool has_full = false;         // flex: a full key block is visited
 
   Block(const KeyPositions& positions, int64_t row0_, int64_t rows_, int64_t L_,
         int64_t S)
@@ -161,8 +176,68 @@ struct Block {
     col0 = std::clamp<int64_t>(positions.begin(row0), 0, S);
     const auto end = std::clamp<int64_t>(positions.end(row0 + rows - 1), 0, S);
     cols = std::max<int64_t>(0, end - col0);
+    if (cols > 0) {
+      spans.push_back({col0, cols, 0});
+    }
   }
-  /// The visible columns of each row, relative to col0.
+  /// The block of head (n, h) of a call: the positions' run, cut to the
+  /// visited blocks of spec.flex's block mask where it has one (the block
+  /// is then one query block of it: row0 a multiple of block_q).
+  Block(const BlockedSpec& spec, int64_t n, int64_t h, int64_t row0_,
+        int64_t rows_, int64_t L_, int64_t S)
+      : Block(spec.positions, row0_, rows_, L_, S) {
+    if (spec.flex == nullptr || spec.flex->block_mask.empty() || cols == 0) {
+      return;
+    }
+    const auto& mask = spec.flex->block_mask;
+    const auto first = col0, last = col0 + cols;
+    spans.clear();
+    cols = 0;
+    // Rows (b, h, query block) of the int32 count and index tensors.
+    auto row_of = [&](const torch::Tensor& counts, const torch::Tensor& indices,
+                      int64_t& count) -> const int32_t* {
+      if (!counts.defined()) {
+        count = 0;
+        return nullptr;
+      }
+      const auto b = counts.size(0) == 1 ? 0 : n;
+      const auto hm = counts.size(1) == 1 ? 0 : h;
+      const auto nq = counts.size(2), nkv = indices.size(3);
+      const auto at = (b * counts.size(1) + hm) * nq + row0 / mask.block_q;
+      count = counts.data_ptr<int32_t>()[at];
+      return indices.data_ptr<int32_t>() + at * nkv;
+    };
+    int64_t n_partial = 0, n_full = 0;
+    const auto* partial_blocks =
+        row_of(mask.kv_num_blocks, mask.kv_indices, n_partial);
+    const auto* full_blocks =
+        row_of(mask.full_kv_num_blocks, mask.full_kv_indices, n_full);
+    // Both lists ascend: merge them.
+    int64_t i = 0, j = 0;
+    while (i < n_partial || j < n_full) {
+      const bool take_full =
+          j < n_full && (i >= n_partial || full_blocks[j] < partial_blocks[i]);
+      const int64_t kv_block = take_full ? full_blocks[j++] : partial_blocks[i++];
+      const auto key0 = std::max(kv_block * mask.block_kv, first);
+      const auto key1 = std::min((kv_block + 1) * mask.block_kv, last);
+      if (key1 <= key0) {
+        continue;
+      }
+      if (take_full) {
+        has_full = true;
+      } else {
+        partial.push_back({key0, key1 - key0, cols});
+      }
+      if (!spans.empty() && spans.back().key0 + spans.back().cols == key0) {
+        spans.back().cols += key1 - key0;
+      } else {
+        spans.push_back({key0, key1 - key0, cols});
+      }
+      cols += key1 - key0;
+    }
+  }
+  /// The visible columns of each row, relative to col0 (one run from the
+  /// positions; a flex call with a block mask applies its limits itself).
   RowLimits limits(const KeyPositions& positions) const {
     RowLimits l;
     l.begin0 = positions.begin(row0) - col0;
@@ -201,27 +276,137 @@ void block_gemm(const BlockedSpec& spec, torch::ScalarType dtype,
   }
 }
 
+/// What a flex call's block needs beyond the scores: the index tensors its
+/// mods see, the scores before score_mod (kept for backward), and its fully
+/// masked rows.
+struct FlexTile {
+  torch::Tensor b, h;    // () int64
+  torch::Tensor q_idx;   // (rows, 1) int64
+  torch::Tensor kv_idx;  // (1, cols) int64: the key of each column
+  torch::Tensor raw;     // (rows, cols): scores before score_mod, or {}
+  torch::Tensor empty;   // (rows) bool: rows left with no key, or {}
+
+  FlexTile(const Block& block, int64_t n, int64_t h_) {
+    const auto index = torch::TensorOptions().dtype(torch::kLong);
+    b = torch::scalar_tensor(n, index);
+    h = torch::scalar_tensor(h_, index);
+    q_idx = torch::arange(block.row0, block.row0 + block.rows, index)
+                .unsqueeze(1);  // (rows, 1)
+    std::vector<torch::Tensor> keys;
+    for (const auto& span : block.spans) {
+      keys.push_back(torch::arange(span.key0, span.key0 + span.cols, index));
+    }
+    kv_idx = (keys.size() == 1 ? keys[0] : torch::cat(keys)).unsqueeze(0);
+  }
+};
+
+/// The flex steps of block_weights on the scaled scores p (rows, cols):
+/// score_mod (keeping the scores before it in tile.raw where `keep_raw`),
+/// the additive mask, mask_mod on the partial blocks and, with a block
+/// mask, the positions' limits; then the rows left with no key (every
+/// score -inf, as Python's FlexAttention decides) in tile.empty, OR-ed with
+/// the mask's `empty` flags, and each row's logsumexp into `lse_rows` where
+/// defined.
+void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
+                 const torch::Tensor& mask, const torch::Tensor& blocked,
+                 const bool* empty, FlexTile& tile, bool keep_raw,
+                 const torch::Tensor& lse_rows) {
+  const auto& flex = *spec.flex;
+  if (flex.score_mod) {
+    if (keep_raw) {
+      tile.raw.copy_(p);
+    }
+    p.copy_(call_score_mod(flex.score_mod, p, tile.b, tile.h, tile.q_idx,
+                           tile.kv_idx));
+  }
+  if (mask.defined()) {
+    for (const auto& span : block.spans) {
+      auto p_span = p.narrow(1, span.col, span.cols);
+      p_span.add_(
+          mask_block(mask, block.row0, block.rows, span.key0, span.cols));
+      p_span.masked_fill_(
+          mask_block(blocked, block.row0, block.rows, span.key0, span.cols),
+          kNegInf);
+    }
+  }
+  for (const auto& span : block.partial) {
+    auto kv = tile.kv_idx.narrow(1, span.col, span.cols);
+    p.narrow(1, span.col, span.cols)
+        .masked_fill_(call_mask_mod(flex.block_mask.mask_mod, tile.b, tile.h,
+                                    tile.q_idx, kv, {block.rows, span.cols})
+                          .logical_not(),
+                      kNegInf);
+  }
+  // The positions' limits here rather than in the softmax, so that the
+  // fully masked rows below count them.
+  const auto& positions = spec.positions;
+  const bool limited = positions.causal || positions.window > 0;
+  if (limited) {
+    if (positions.window > 0) {
+      p.masked_fill_(tile.kv_idx.lt(tile.q_idx + positions.begin(0)),
+                     kNegInf);
+    }
+    p.masked_fill_(tile.kv_idx.ge(tile.q_idx + positions.end(0)), kNegInf);
+  }
+  // A row sees some key when the block has a full key block and nothing
+  // could have set a score there to -inf.
+  const bool surely_seen = block.has_full && !flex.score_mod &&
+                           !mask.defined() && !limited && empty == nullptr;
+  if (!surely_seen) {
+    tile.empty = at::amax(p, /*dim=*/1).eq(kNegInf);  // (rows)
+    if (empty != nullptr) {
+      tile.empty.logical_or_(
+          torch::from_blob(const_cast<bool*>(empty), {block.rows},
+                           torch::TensorOptions().dtype(torch::kBool)));
+    }
+    if (!tile.empty.any().item<bool>()) {
+      tile.empty = torch::Tensor();
+    }
+  }
+  if (lse_rows.defined()) {
+    lse_rows.copy_(at::logsumexp(p, /*dim=*/1));
+    if (tile.empty.defined()) {
+      lse_rows.masked_fill_(tile.empty, kNegInf);
+    }
+  }
+}
+
 /// Writes into `p` (rows, cols) the attention weights of one block of query
 /// head h (q[n][h]) over key head h_kv (k[n][h_kv]); bias_h: that head's
 /// relative_bias row, or undefined: scaled scores, mask, position bias and
 /// limits, softmax, all in place; the fully masked rows (flags `empty`, or
-/// null for none) become 0.
+/// null for none) become 0. A flex call (`tile` not null) runs flex_scores
+/// before the softmax, and `empty` then points at its fully masked rows
+/// (tile->empty) where it has any.
 void block_weights(torch::Tensor& p, const torch::Tensor& q,
                    const torch::Tensor& k, int64_t n, int64_t h, int64_t h_kv,
                    const torch::Tensor& mask, const torch::Tensor& blocked,
                    const torch::Tensor& bias_h, const BlockedSpec& spec,
-                   const Block& block, const bool* empty) {
-  // p = scale · q[rows] · k[cols]ᵀ (beta = 0: p's old contents are ignored)
-  block_gemm(spec, p.scalar_type(), rows_of(q, n, h, block.row0, block.rows),
-             rows_of(k, n, h_kv, block.col0, block.cols).t(), spec.scale,
-             /*beta=*/0, matrix_of(p));
-  if (mask.defined()) {
-    p.add_(mask_block(mask, block.row0, block.rows, block.col0, block.cols));
-    p.masked_fill_(
-        mask_block(blocked, block.row0, block.rows, block.col0, block.cols),
-        kNegInf);
+                   const Block& block, const bool*& empty,
+                   FlexTile* tile = nullptr, bool keep_raw = false,
+                   const torch::Tensor& lse_rows = {}) {
+  // p = scale · q[rows] · k[keys]ᵀ, run by run (beta = 0: p's old contents
+  // are ignored)
+  for (const auto& span : block.spans) {
+    block_gemm(spec, p.scalar_type(), rows_of(q, n, h, block.row0, block.rows),
+               rows_of(k, n, h_kv, span.key0, span.cols).t(), spec.scale,
+               /*beta=*/0, matrix_of(p.narrow(1, span.col, span.cols)));
   }
-  const auto limits = block.limits(spec.positions);
+  RowLimits limits;
+  if (tile != nullptr) {
+    flex_scores(p, spec, block, mask, blocked, empty, *tile, keep_raw,
+                lse_rows);
+    empty = tile->empty.defined() ? tile->empty.data_ptr<bool>() : nullptr;
+    limits.end0 = block.cols;  // applied by flex_scores
+  } else {
+    if (mask.defined()) {
+      p.add_(mask_block(mask, block.row0, block.rows, block.col0, block.cols));
+      p.masked_fill_(
+          mask_block(blocked, block.row0, block.rows, block.col0, block.cols),
+          kNegInf);
+    }
+    limits = block.limits(spec.positions);
+  }
   if (p.scalar_type() == torch::kFloat && fused_softmax_available()) {
     // Limits, bias, softmax and empty rows in one kernel (fused_softmax.h).
     fused_softmax_rows(p, limits,
@@ -238,6 +423,40 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
   // A fully masked row is softmax(-inf, ..., -inf) = NaN: it attends to
   // nothing. Rows made NaN by their data are left as they are.
   zero_rows(p, empty);
+}
+
+/// The flex step of backward: ds (rows, cols), the gradient of the scores
+/// after score_mod, becomes that of the scores before it (through
+/// score_mod's autograd graph, rebuilt on tile.raw), and the gradients of
+/// the captured tensors are added to `captured` (under `lock`).
+void flex_score_backward(torch::Tensor& ds, const BlockedSpec& spec,
+                         FlexTile& tile, std::vector<torch::Tensor>& captured,
+                         std::mutex& lock) {
+  const auto& flex = *spec.flex;
+  torch::AutoGradMode grad_mode(true);
+  auto score = tile.raw.detach().requires_grad_();
+  auto modified = call_score_mod(flex.score_mod, score, tile.b, tile.h,
+                                 tile.q_idx, tile.kv_idx);
+  std::vector<torch::Tensor> inputs{score};
+  inputs.insert(inputs.end(), flex.captured.begin(), flex.captured.end());
+  if (!modified.requires_grad()) {  // score_mod ignores the score
+    ds.zero_();
+    return;
+  }
+  const auto grads = torch::autograd::grad(
+      {modified}, inputs, {ds.detach()}, /*retain_graph=*/true,
+      /*create_graph=*/false, /*allow_unused=*/true);
+  if (grads[0].defined()) {
+    ds.copy_(grads[0]);
+  } else {
+    ds.zero_();
+  }
+  std::lock_guard<std::mutex> guard(lock);
+  for (size_t i = 1; i < grads.size(); ++i) {
+    if (grads[i].defined()) {
+      captured[i - 1].add_(grads[i]);
+    }
+  }
 }
 
 /// Whether oneDNN takes every matrix (the last two dims) of the 4-D
@@ -301,6 +520,10 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
   if (spec.keep_weights) {
     kept = at::empty({N, H, L, S}, q.options());
   }
+  torch::Tensor lse;
+  if (spec.flex != nullptr && spec.flex->return_lse) {
+    lse = at::empty({N, H, L}, q.options());
+  }
   const bool heads_per_item = spec.weights == WeightsMode::kAverage;
   const int64_t blocks = (L + B - 1) / B;
   const int64_t items_per_n = heads_per_item ? blocks : H * blocks;
@@ -311,18 +534,24 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
         const auto h_begin = heads_per_item ? 0 : item % items_per_n / blocks;
         const auto h_end = heads_per_item ? H : h_begin + 1;
         const auto row0 = item % blocks * B;
-        const Block block(spec.positions, row0, std::min(B, L - row0), L, S);
-        const auto rows = block.rows, col0 = block.col0, cols = block.cols;
-        const auto scratch_p =
-            scratch.narrow(0, 0, rows * cols).view({rows, cols});
+        const auto rows = std::min(B, L - row0);
         for (auto h = h_begin; h < h_end; ++h) {
           // (rows, Dv), strided rows of the (N, L, H, Dv) buffer
           auto out_rows = [&] {
             return out_nh.select(0, n).select(0, h).narrow(0, row0, rows);
           };
+          const Block block(spec, n, h, row0, rows, L, S);
+          const auto cols = block.cols;
+          const auto lse_rows = lse.defined()
+                                    ? lse.select(0, n).select(0, h).narrow(
+                                          0, row0, rows)
+                                    : torch::Tensor();
           const bool* empty = empty_flags(spec, n, h, row0);
           if (cols == 0) {  // no row of the block sees any key
             out_rows().zero_();
+            if (lse_rows.defined()) {
+              lse_rows.fill_(kNegInf);
+            }
             continue;
           }
           const auto h_kv = h / group;  // key/value head
@@ -338,12 +567,23 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                                       : torch::Tensor();
           auto p = kept_block.defined() && kept_block.is_contiguous()
                        ? kept_block
-                       : scratch_p;
+                       : scratch.narrow(0, 0, rows * cols).view({rows, cols});
+          c10::optional<FlexTile> tile;
+          if (spec.flex != nullptr) {
+            tile.emplace(block, n, h);
+          }
           block_weights(p, q, k, n, h, h_kv, mask, blocked,
-                        bias_row(relative_bias, h), spec, block, empty);
-          block_gemm(spec, p.scalar_type(), matrix_of(p),
-                     rows_of(v, n, h_kv, col0, cols), 1, /*beta=*/0,
-                     rows_of(out_nh, n, h, row0, rows));
+                        bias_row(relative_bias, h), spec, block, empty,
+                        tile ? &*tile : nullptr, /*keep_raw=*/false, lse_rows);
+          // out[rows] = Σ over runs p[:, run] · v[run]
+          for (size_t i = 0; i < block.spans.size(); ++i) {
+            const auto& span = block.spans[i];
+            block_gemm(spec, p.scalar_type(),
+                       matrix_of(p.narrow(1, span.col, span.cols)),
+                       rows_of(v, n, h_kv, span.key0, span.cols), 1,
+                       /*beta=*/i == 0 ? 0 : 1,
+                       rows_of(out_nh, n, h, row0, rows));
+          }
           if (empty != nullptr) {
             // 0 · (a non-finite value) would be NaN: a fully masked row is 0.
             auto o = out_rows();
@@ -352,19 +592,27 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
           if (kept_block.defined() && !kept_block.is_same(p)) {
             kept_block.copy_(p);
           }
-          if (spec.weights == WeightsMode::kPerHead) {
-            weights[n][h].narrow(0, row0, rows).narrow(1, col0, cols).copy_(p);
-          } else if (spec.weights == WeightsMode::kAverage) {
-            weights[n]
-                .narrow(0, row0, rows)
-                .narrow(1, col0, cols)
-                .add_(p, 1.0 / static_cast<double>(H));
+          for (const auto& span : spec.weights == WeightsMode::kNone
+                                      ? std::vector<KeySpan>()
+                                      : block.spans) {
+            const auto p_span = p.narrow(1, span.col, span.cols);
+            if (spec.weights == WeightsMode::kPerHead) {
+              weights[n][h]
+                  .narrow(0, row0, rows)
+                  .narrow(1, span.key0, span.cols)
+                  .copy_(p_span);
+            } else {
+              weights[n]
+                  .narrow(0, row0, rows)
+                  .narrow(1, span.key0, span.cols)
+                  .add_(p_span, 1.0 / static_cast<double>(H));
+            }
           }
         }
       },
       onednn_only({q, k, v}, {out_nh}) ? spec.threads : in_order(spec.threads),
       spec.onednn);
-  return {out_nh, weights, kept};
+  return {out_nh, weights, kept, lse};
 }
 
 /// Backward of blocked_forward: gradients of q, k, v (and relative_bias when
@@ -399,8 +647,18 @@ BlockedGradients blocked_backward(
   if (relative_bias.numel() > 0 && relative_bias.requires_grad()) {
     d_bias = at::zeros({N, H, relative_bias.size(1)}, q.options());
   }
+  // A flex call's score_mod: the scores before it are kept in a fourth
+  // buffer, and the captured tensors' gradients summed here.
+  const bool score_mod = spec.flex != nullptr && bool(spec.flex->score_mod);
+  std::mutex captured_lock;
+  if (spec.flex != nullptr) {
+    grads.captured.clear();
+    for (const auto& t : spec.flex->captured) {
+      grads.captured.push_back(at::zeros_like(t));
+    }
+  }
   for_each_item(
-      N * Hkv, 3 * B * S, q.options(),
+      N * Hkv, (score_mod ? 4 : 3) * B * S, q.options(),
       [&](int64_t item, torch::Tensor& scratch) {
         const auto n = item / Hkv, h_kv = item % Hkv;
         const auto dtype = q.scalar_type();
@@ -412,9 +670,8 @@ BlockedGradients blocked_backward(
                                    : torch::Tensor();
           const auto bias_h = bias_row(relative_bias, h);
           for (int64_t row0 = 0; row0 < L; row0 += B) {
-            const Block block(spec.positions, row0, std::min(B, L - row0), L,
-                              S);
-            const auto rows = block.rows, col0 = block.col0, cols = block.cols;
+            const Block block(spec, n, h, row0, std::min(B, L - row0), L, S);
+            const auto rows = block.rows, cols = block.cols;
             if (cols == 0) {  // the rows see no key
               dq[n][h].narrow(0, row0, rows).zero_();
               continue;
@@ -425,6 +682,13 @@ BlockedGradients blocked_backward(
             };
             auto p = buffer(0), dp = buffer(1), ds = buffer(2);
             const bool* empty = empty_flags(spec, n, h, row0);
+            c10::optional<FlexTile> tile;
+            if (spec.flex != nullptr) {
+              tile.emplace(block, n, h);
+              if (score_mod) {
+                tile->raw = buffer(3);
+              }
+            }
             if (kept.defined()) {
               // ATen's softmax backward below takes contiguous weights: a
               // block of every column is read in place, others (strided
@@ -437,24 +701,33 @@ BlockedGradients blocked_backward(
               }
             } else {
               block_weights(p, q, k, n, h, h_kv, mask, blocked, bias_h, spec,
-                            block, empty);
+                            block, empty, tile ? &*tile : nullptr,
+                            /*keep_raw=*/score_mod);
             }
             const auto go = rows_of(grad_out, n, h, row0, rows);  // (rows, Dv)
-            // dv[cols] += pᵀ · go
-            block_gemm(spec, dtype, matrix_of(p).t(), go, 1, /*beta=*/1,
-                       rows_of(dv, n, h_kv, col0, cols));
-            // dp = go · v[cols]ᵀ
-            block_gemm(spec, dtype, go, rows_of(v, n, h_kv, col0, cols).t(), 1,
-                       /*beta=*/0, matrix_of(dp));
+            for (const auto& span : block.spans) {
+              const auto p_span = matrix_of(p.narrow(1, span.col, span.cols));
+              // dv[keys] += p[:, run]ᵀ · go
+              block_gemm(spec, dtype, p_span.t(), go, 1, /*beta=*/1,
+                         rows_of(dv, n, h_kv, span.key0, span.cols));
+              // dp[:, run] = go · v[keys]ᵀ
+              block_gemm(spec, dtype, go,
+                         rows_of(v, n, h_kv, span.key0, span.cols).t(), 1,
+                         /*beta=*/0,
+                         matrix_of(dp.narrow(1, span.col, span.cols)));
+            }
             if (grad_weights.defined()) {
-              if (spec.weights == WeightsMode::kPerHead) {
-                dp.add_(grad_weights[n][h]
-                            .narrow(0, row0, rows)
-                            .narrow(1, col0, cols));
-              } else {
-                dp.add_(
-                    grad_weights[n].narrow(0, row0, rows).narrow(1, col0, cols),
-                    1.0 / static_cast<double>(H));
+              const auto gw = spec.weights == WeightsMode::kPerHead
+                                  ? grad_weights[n][h]
+                                  : grad_weights[n];
+              const double factor = spec.weights == WeightsMode::kPerHead
+                                        ? 1.0
+                                        : 1.0 / static_cast<double>(H);
+              for (const auto& span : block.spans) {
+                dp.narrow(1, span.col, span.cols)
+                    .add_(gw.narrow(0, row0, rows).narrow(1, span.key0,
+                                                          span.cols),
+                          factor);
               }
             }
             at::_softmax_backward_data_out(ds, dp, p, /*dim=*/1,
@@ -462,18 +735,27 @@ BlockedGradients blocked_backward(
             // No gradient flows through a fully masked row, even where dp
             // is non-finite (0 · NaN).
             zero_rows(ds, empty);
+            if (score_mod) {
+              flex_score_backward(ds, spec, *tile, grads.captured,
+                                  captured_lock);
+            }
             if (d_bias.defined()) {
               d_bias[n][h].index_add_(0, block.bias_index().view(-1),
                                       ds.view(-1));
             }
-            // dq[rows] = scale · ds · k[cols]
-            block_gemm(spec, dtype, matrix_of(ds),
-                       rows_of(k, n, h_kv, col0, cols), spec.scale,
-                       /*beta=*/0, rows_of(dq, n, h, row0, rows));
-            // dk[cols] += scale · dsᵀ · q[rows]
-            block_gemm(spec, dtype, matrix_of(ds).t(),
-                       rows_of(q, n, h, row0, rows), spec.scale, /*beta=*/1,
-                       rows_of(dk, n, h_kv, col0, cols));
+            for (size_t i = 0; i < block.spans.size(); ++i) {
+              const auto& span = block.spans[i];
+              const auto ds_span = matrix_of(ds.narrow(1, span.col, span.cols));
+              // dq[rows] = scale · Σ over runs ds[:, run] · k[keys]
+              block_gemm(spec, dtype, ds_span,
+                         rows_of(k, n, h_kv, span.key0, span.cols), spec.scale,
+                         /*beta=*/i == 0 ? 0 : 1,
+                         rows_of(dq, n, h, row0, rows));
+              // dk[keys] += scale · ds[:, run]ᵀ · q[rows]
+              block_gemm(spec, dtype, ds_span.t(),
+                         rows_of(q, n, h, row0, rows), spec.scale, /*beta=*/1,
+                         rows_of(dk, n, h_kv, span.key0, span.cols));
+            }
           }
         }
       },
@@ -517,13 +799,48 @@ int64_t default_block_rows(int64_t L, int64_t S, bool causal, int64_t window) {
   return std::min(rows, L);
 }
 
+/// The flex part of a call's spec: `flex` with its block mask's tensors
+/// int32 contiguous on the CPU, and a relative bias (Hb, L + S - 1), where
+/// defined, added to the scores before its score_mod (whose captured
+/// tensors it then joins).
+std::shared_ptr<const FlexMods> flex_spec(const FlexMods& flex,
+                                          const torch::Tensor& relative_bias,
+                                          int64_t L,
+                                          const torch::TensorOptions& options) {
+  auto spec = std::make_shared<FlexMods>(flex);
+  auto& mask = spec->block_mask;
+  auto to_cpu_int = [](torch::Tensor& t) {
+    if (t.defined()) {
+      t = t.to(torch::kCPU, torch::kInt).contiguous();
+    }
+  };
+  to_cpu_int(mask.kv_num_blocks);
+  to_cpu_int(mask.kv_indices);
+  to_cpu_int(mask.full_kv_num_blocks);
+  to_cpu_int(mask.full_kv_indices);
+  if (relative_bias.defined()) {
+    const auto& user = flex.score_mod;
+    spec->score_mod = [bias = relative_bias, L, user](
+                          const torch::Tensor& score, const torch::Tensor& b,
+                          const torch::Tensor& h, const torch::Tensor& q_idx,
+                          const torch::Tensor& kv_idx) {
+      const auto head = bias.size(0) == 1 ? torch::zeros_like(h) : h;
+      auto biased = score + bias.index({head, kv_idx - q_idx + (L - 1)});
+      return user ? user(biased, b, h, q_idx, kv_idx) : biased;
+    };
+    spec->captured = flex_captured_leaves(spec->score_mod, options);
+  }
+  return spec;
+}
+
 }  // namespace
 
 AttentionResult blocked_attention(
     const torch::Tensor& query, const torch::Tensor& key,
     const torch::Tensor& value, const torch::Tensor& mask,
     const KeyPositions& positions, double scale, WeightsMode weights,
-    int64_t block_rows, KeptWeights kept, const torch::Tensor& packed) {
+    int64_t block_rows, KeptWeights kept, const torch::Tensor& packed,
+    const FlexMods* flex) {
   // Everything as 4-D (N, H, T, features); fewer dims become leading 1s.
   auto to_4d = [](const torch::Tensor& t) {
     auto r = t;
@@ -547,26 +864,36 @@ AttentionResult blocked_attention(
   spec.block_rows = block_rows > 0 ? std::min(block_rows, L)
                                    : default_block_rows(L, S, positions.causal,
                                                         positions.window);
-  const auto& bias = positions.relative_bias;
+  auto bias = positions.relative_bias;
+  if (flex != nullptr && flex->active()) {
+    spec.flex = flex_spec(*flex, bias, L, query.options());
+    bias = torch::Tensor();  // in score_mod now
+    if (!flex->block_mask.empty()) {
+      spec.block_rows = flex->block_mask.block_q;  // a block: a query block
+    }
+  }
   const bool needs_grad =
       torch::GradMode::is_enabled() &&
       (query.requires_grad() || key.requires_grad() || value.requires_grad() ||
-       (bias.defined() && bias.requires_grad()));
+       (bias.defined() && bias.requires_grad()) ||
+       (spec.flex != nullptr && !spec.flex->captured.empty()));
   // N·H·L·S: every score of the call.
   const int64_t scores = score_count(query, S);
-  spec.one_block =
-      block_rows <= 0 && scores <= kOneBlockScores && L <= kOneBlockRows;
+  spec.one_block = block_rows <= 0 && scores <= kOneBlockScores &&
+                   L <= kOneBlockRows && spec.flex == nullptr;
   const bool onednn = query.is_cpu() &&
                       query.scalar_type() == torch::kFloat32 &&
                       onednn_products_available();
-  spec.threads = item_threads(scores, S, onednn);
+  // A flex call's mods are user code, which OpenBLAS's threads (that must
+  // make no BLAS call) do not run: its items run on ATen's or in order.
+  spec.threads = item_threads(scores, S, onednn && spec.flex == nullptr);
   // oneDNN's products where each runs on one core anyway: items spread
   // over either pool, and small calls in order (kSpreadScores). Larger
   // calls in order (where OpenBLAS's idle workers spin) keep BLAS's gemm on
   // its own threads.
   spec.onednn = onednn && (spec.threads != ItemThreads::kCaller ||
                            scores <= kSpreadScores);
-  if (kept == KeptWeights::kAuto) {
+  if (kept == KeptWeights::kAuto && spec.flex == nullptr) {
     // Kept while small (at most kOneBlockScores, 4 MiB of float32), so that
     // backward skips each block's scores GEMM and softmax. A block that
     // spans all S columns is computed in its place in the kept tensor;
@@ -579,7 +906,8 @@ AttentionResult blocked_attention(
     // nothing is kept.
     spec.keep_weights = needs_grad && scores <= kOneBlockScores;
   } else {
-    spec.keep_weights = kept == KeptWeights::kAlways;
+    // A flex block's columns are not the kept tensor's: always recomputed.
+    spec.keep_weights = kept == KeptWeights::kAlways && spec.flex == nullptr;
   }
   // LibTorch 1.13's custom functions take no undefined inputs: no bias is
   // an empty placeholder there.
@@ -592,11 +920,15 @@ AttentionResult blocked_attention(
   const auto k = to_4d(key), v = to_4d(value);
   const auto bias_input =
       bias.defined() ? bias.contiguous() : at::empty({0}, query.options());
-  auto outputs =
-      apply_blocked(q, k, v, bias_input, spec,
-                    needs_grad && !spec.one_block ? packed : torch::Tensor());
+  auto outputs = apply_blocked(
+      q, k, v, bias_input, spec,
+      needs_grad && !spec.one_block && spec.flex == nullptr ? packed
+                                                            : torch::Tensor());
   auto output = outputs[0];
-  auto weights_out = outputs.size() > 1 ? outputs[1] : torch::Tensor();
+  auto weights_out =
+      weights != WeightsMode::kNone ? outputs[1] : torch::Tensor();
+  auto lse = spec.flex != nullptr && spec.flex->return_lse ? outputs.back()
+                                                            : torch::Tensor();
   // Back to the input's rank.
   for (auto d = query.dim(); d < 4; ++d) {
     output = output.squeeze(0);
@@ -604,7 +936,7 @@ AttentionResult blocked_attention(
       weights_out = weights_out.squeeze(0);
     }
   }
-  return {output, weights_out};
+  return {output, weights_out, lse};
 }
 
 }  // namespace mha::detail

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "core/attention_core.h"
 #include "core/fused_softmax.h"
@@ -40,6 +41,10 @@ struct BlockedSpec {
   // (gemm_matrix), on BLAS's own threads where the items run in order.
   // Always true where threads is kOpenBlas.
   bool onednn = false;
+  // FlexAttention's mods (attention_core.h), or null. Its block mask's
+  // tensors are int32 contiguous on the CPU; a relative bias of the
+  // positions is folded into its score_mod.
+  std::shared_ptr<const FlexMods> flex;
 };
 
 /// What blocked_forward and batched_forward return.
@@ -47,12 +52,15 @@ struct BlockedForward {
   torch::Tensor output;   // (N, H, L, Dv)
   torch::Tensor weights;  // as spec.weights, or undefined
   torch::Tensor kept;     // (N, H, L, S) when spec.keep_weights, else {}
+  torch::Tensor lse;      // (N, H, L) when spec.flex->return_lse, else {}
 };
 
 /// What blocked_backward and batched_backward return.
 struct BlockedGradients {
   torch::Tensor dq, dk, dv;
   torch::Tensor relative_bias;  // like relative_bias when it needs one
+  // Those of spec.flex->captured, in its order (flex calls only).
+  std::vector<torch::Tensor> captured;
 };
 
 /// The per-block form's forward and backward (blocked_attention.cpp, where
@@ -72,7 +80,9 @@ BlockedGradients blocked_backward(
     const torch::Tensor& grad_weights, BlockedGradients grads);
 
 /// Runs a blocked call under autograd (blocked_autograd.cpp): output, and
-/// weights when spec asks for them. relative_bias (Hb, L + S - 1)
+/// weights when spec asks for them, then the logsumexp when spec.flex asks
+/// for it (no gradient). With spec.flex, the tensors its score_mod captures
+/// (spec.flex->captured) are inputs too, whose gradients backward returns. relative_bias (Hb, L + S - 1)
 /// contiguous, or empty (0) for none. With `packed` undefined, or not a
 /// tensor that q, k and v are views of and cover exactly (attention_core's
 /// `packed`), backward returns a gradient per input; otherwise it returns

@@ -7,13 +7,22 @@
 // length, D and Dv the query/key and value features.
 #include <array>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/blocked_attention.h"
 
 namespace mha::detail {
 namespace {
+
+/// A flex call's mods in the context's saved_data (a capsule IValue).
+struct FlexHolder : torch::CustomClassHolder {
+  explicit FlexHolder(std::shared_ptr<const FlexMods> flex_)
+      : flex(std::move(flex_)) {}
+  std::shared_ptr<const FlexMods> flex;
+};
 
 // The spec rides along in the context's saved_data (IValues). Its masks need
 // no gradient, so they are kept there rather than saved as variables.
@@ -35,6 +44,9 @@ void save_spec(torch::autograd::AutogradContext* ctx, const BlockedSpec& spec) {
   data["one_block"] = spec.one_block;
   data["threads"] = static_cast<int64_t>(spec.threads);
   data["onednn"] = spec.onednn;
+  data["flex"] = spec.flex ? c10::IValue::make_capsule(
+                                 c10::make_intrusive<FlexHolder>(spec.flex))
+                           : c10::IValue();
 }
 
 BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
@@ -57,6 +69,11 @@ BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
   spec.one_block = data.at("one_block").toBool();
   spec.threads = static_cast<ItemThreads>(data.at("threads").toInt());
   spec.onednn = data.at("onednn").toBool();
+  const auto& flex = data.at("flex");
+  if (!flex.isNone()) {
+    spec.flex =
+        c10::static_intrusive_pointer_cast<FlexHolder>(flex.toCapsule())->flex;
+  }
   return spec;
 }
 
@@ -72,10 +89,15 @@ torch::autograd::variable_list forward_saving(
                                : blocked_forward(q, k, v, relative_bias, spec);
   ctx->saved_data["kept"] =
       result.kept.defined() ? c10::IValue(result.kept) : c10::IValue();
-  if (!result.weights.defined()) {
-    return {result.output};
+  torch::autograd::variable_list outputs{result.output};
+  if (result.weights.defined()) {
+    outputs.push_back(result.weights);
   }
-  return {result.output, result.weights};
+  if (result.lse.defined()) {
+    ctx->mark_non_differentiable({result.lse});
+    outputs.push_back(result.lse);
+  }
+  return outputs;
 }
 
 /// The backward of both autograd wrappers: gradients of q, k, v (into the
@@ -91,9 +113,11 @@ BlockedGradients backward_from(
                       ? grads[0]
                       : at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)},
                                   q.options());
-  const auto grad_weights = grads.size() > 1 ? grads[1] : torch::Tensor();
-  const auto& kept = ctx->saved_data.at("kept");
   const auto spec = load_spec(ctx);
+  const auto grad_weights = spec.weights != WeightsMode::kNone
+                                ? grads[1]
+                                : torch::Tensor();
+  const auto& kept = ctx->saved_data.at("kept");
   const auto kept_weights = kept.isNone() ? torch::Tensor() : kept.toTensor();
   if (spec.one_block) {
     return batched_backward(q, k, v, relative_bias, spec, kept_weights,
@@ -124,9 +148,46 @@ class BlockedAttentionFunction
     auto g = backward_from(ctx, q, k, v, saved[3], grads, [&] {
       return BlockedGradients{
           at::empty(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()),
-          at::zeros(v.sizes(), v.options()), torch::Tensor()};
+          at::zeros(v.sizes(), v.options()), torch::Tensor(), {}};
     });
     return {g.dq, g.dk, g.dv, g.relative_bias, torch::Tensor()};
+  }
+};
+
+/// Autograd wrapper of a flex call (spec.flex): the tensors its score_mod
+/// captures (spec.flex->captured) are inputs beside q, k and v, so that
+/// backward returns their gradients.
+class FlexAttentionFunction
+    : public torch::autograd::Function<FlexAttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
+      const torch::Tensor& k, const torch::Tensor& v,
+      const torch::autograd::variable_list& captured,
+      const BlockedSpec& spec) {
+    ctx->save_for_backward({q, k, v});
+    ctx->saved_data["captured"] = static_cast<int64_t>(captured.size());
+    return forward_saving(ctx, q, k, v, at::empty({0}, q.options()), spec);
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2];
+    auto g = backward_from(ctx, q, k, v, at::empty({0}, q.options()), grads,
+                           [&] {
+                             return BlockedGradients{
+                                 at::empty(q.sizes(), q.options()),
+                                 at::zeros(k.sizes(), k.options()),
+                                 at::zeros(v.sizes(), v.options()),
+                                 torch::Tensor(),
+                                 {}};
+                           });
+    torch::autograd::variable_list result{g.dq, g.dk, g.dv};
+    result.insert(result.end(), g.captured.begin(), g.captured.end());
+    result.push_back(torch::Tensor());  // spec
+    return result;
   }
 };
 
@@ -190,7 +251,7 @@ class PackedAttentionFunction
     const auto g = backward_from(
         ctx, of(packed, 0), of(packed, 1), of(packed, 2), saved[1], grads, [&] {
           BlockedGradients buffers{of(d_packed, 0), of(d_packed, 1),
-                                   of(d_packed, 2), torch::Tensor()};
+                                   of(d_packed, 2), torch::Tensor(), {}};
           buffers.dk.zero_();
           buffers.dv.zero_();
           return buffers;
@@ -227,6 +288,9 @@ torch::autograd::variable_list apply_blocked(const torch::Tensor& q,
                                              const torch::Tensor& relative_bias,
                                              const BlockedSpec& spec,
                                              const torch::Tensor& packed) {
+  if (spec.flex != nullptr) {
+    return FlexAttentionFunction::apply(q, k, v, spec.flex->captured, spec);
+  }
   const auto base = packed_base(packed, q, k, v);
   if (!base.defined()) {
     return BlockedAttentionFunction::apply(q, k, v, relative_bias, spec);

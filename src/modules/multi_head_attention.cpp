@@ -268,7 +268,8 @@ std::tuple<torch::Tensor, torch::Tensor> attend_and_project(
     MultiHeadAttentionImpl& m, const torch::Tensor& q, const torch::Tensor& k,
     const torch::Tensor& v, const torch::Tensor& mask,
     const detail::KeyPositions& positions, bool batched, bool need_weights,
-    bool average_attn_weights, const torch::Tensor& packed = {}) {
+    bool average_attn_weights, const torch::Tensor& packed = {},
+    const BlockMask& block_mask = {}) {
   const double p_drop = m.is_training() ? m.options.dropout() : 0.0;
   const double scale = m.options.scale().value_or(
       1.0 / std::sqrt(static_cast<double>(m.head_dim)));
@@ -276,8 +277,12 @@ std::tuple<torch::Tensor, torch::Tensor> attend_and_project(
                             : average_attn_weights
                                 ? detail::WeightsMode::kAverage
                                 : detail::WeightsMode::kPerHead;
+  // The options' score_mod and the call's block mask (FlexAttention).
+  detail::FlexMods flex;
+  flex.score_mod = m.options.score_mod();
+  flex.block_mask = block_mask;
   auto result = detail::attention_core(q, k, v, mask, positions, p_drop, scale,
-                                       weights_mode, packed);
+                                       weights_mode, packed, &flex);
   // (N, H, L, D) → (N, L, E) → out_proj
   auto output = detail::project(merge_heads(result.output), m.out_proj->weight,
                                 m.out_proj->bias);  // (N, L, E)
@@ -299,7 +304,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const torch::Tensor& query, const torch::Tensor& key,
     const torch::Tensor& value, const torch::Tensor& key_padding_mask,
     bool need_weights, const torch::Tensor& attn_mask,
-    bool average_attn_weights, bool is_causal, const torch::Tensor& positions) {
+    bool average_attn_weights, bool is_causal, const torch::Tensor& positions,
+    const BlockMask& block_mask) {
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
   // Self-attention is decided by the arguments, never by comparing data.
   const bool self_attention =
@@ -371,8 +377,23 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   if (rules_mask.defined()) {
     rules = detail::KeyPositions(rules.causal);  // in the mask already
   }
+  if (!block_mask.empty()) {
+    const auto S_all = k.size(2);
+    TORCH_CHECK(block_mask.q_len == L && block_mask.kv_len == S_all,
+                "MultiHeadAttention: the block_mask was made for q_len = ",
+                block_mask.q_len, ", kv_len = ", block_mask.kv_len,
+                ", but the call has L = ", L, " queries and S = ", S_all,
+                " keys", extra > 0 ? " (with add_bias_kv / add_zero_attn)" : "");
+    const auto& counts = block_mask.kv_num_blocks;
+    TORCH_CHECK((counts.size(0) == 1 || counts.size(0) == N) &&
+                    (counts.size(1) == 1 || counts.size(1) == H),
+                "MultiHeadAttention: the block_mask's kv_num_blocks ",
+                counts.sizes(), " must have B of 1 or N = ", N,
+                " and H of 1 or num_heads = ", H);
+  }
   return attend_and_project(*this, q, k, v, mask, rules, in.batched,
-                            need_weights, average_attn_weights, p.packed);
+                            need_weights, average_attn_weights, p.packed,
+                            block_mask);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(

@@ -188,11 +188,12 @@ void TransformerEncoderLayerImpl::pretty_print(std::ostream& stream) const {
 
 torch::Tensor TransformerEncoderLayerImpl::self_attention_block(
     const torch::Tensor& x, const torch::Tensor& src_mask,
-    const torch::Tensor& src_key_padding_mask, bool is_causal) {
+    const torch::Tensor& src_key_padding_mask, bool is_causal,
+    const BlockMask& block_mask) {
   auto attended = std::get<0>(self_attn->forward(
       x, torch::Tensor(), torch::Tensor(), src_key_padding_mask,
       /*need_weights=*/false, src_mask, /*average_attn_weights=*/true,
-      is_causal));
+      is_causal, /*positions=*/torch::Tensor(), block_mask));
   return dropout1->forward(attended);
 }
 
@@ -204,7 +205,8 @@ torch::Tensor TransformerEncoderLayerImpl::feed_forward_block(
 
 torch::Tensor TransformerEncoderLayerImpl::forward(
     const torch::Tensor& src, const torch::Tensor& src_mask,
-    const torch::Tensor& src_key_padding_mask, bool is_causal) {
+    const torch::Tensor& src_key_padding_mask, bool is_causal,
+    const BlockMask& block_mask) {
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
   const auto E = options.d_model();
   const char* layout =
@@ -226,11 +228,12 @@ torch::Tensor TransformerEncoderLayerImpl::forward(
   auto x = src;
   if (options.norm_first()) {
     x = x + self_attention_block(norm1->forward(x), src_mask,
-                                 src_key_padding_mask, is_causal);
+                                 src_key_padding_mask, is_causal, block_mask);
     x = x + feed_forward_block(norm2->forward(x));
   } else {
     x = norm1->forward(
-        x + self_attention_block(x, src_mask, src_key_padding_mask, is_causal));
+        x + self_attention_block(x, src_mask, src_key_padding_mask, is_causal,
+                                 block_mask));
     x = norm2->forward(x + feed_forward_block(x));
   }
   return x;
@@ -263,12 +266,13 @@ void TransformerEncoderImpl::reset() {
 
 torch::Tensor TransformerEncoderImpl::forward(
     const torch::Tensor& src, const torch::Tensor& mask,
-    const torch::Tensor& src_key_padding_mask, bool is_causal) {
+    const torch::Tensor& src_key_padding_mask, bool is_causal,
+    const BlockMask& block_mask) {
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
   auto x = src;
   for (const auto& layer : *layers) {
     x = layer->as<TransformerEncoderLayerImpl>()->forward(
-        x, mask, src_key_padding_mask, is_causal);
+        x, mask, src_key_padding_mask, is_causal, block_mask);
   }
   if (!norm.is_empty()) {
     x = norm.forward(x);

@@ -247,6 +247,8 @@ bool attempt(ContenderResult& result, Body&& body) {
 
 bool ok(const ContenderResult& r) { return r.status == "ok"; }
 
+}  // namespace
+
 /// Writes "5" to /proc/self/clear_refs: VmHWM restarts from the current RSS.
 bool reset_peak_rss() {
   std::ofstream clear_refs("/proc/self/clear_refs");
@@ -255,7 +257,6 @@ bool reset_peak_rss() {
   return static_cast<bool>(clear_refs);
 }
 
-/// One run with the peak RSS above the RSS before it (KiB) in `peak_kib`.
 double measure_in_process(const Run& run, const torch::Device& device,
                           int64_t& peak_kib) {
   // The scratch mha's threads keep between calls freed, and freed heap
@@ -269,6 +270,8 @@ double measure_in_process(const Run& run, const torch::Device& device,
   peak_kib = proc_status_kib("VmHWM") - before;
   return ms;
 }
+
+namespace {
 
 std::string child_spec(const Shape& s, Mode mode,
                        const std::string& contender) {

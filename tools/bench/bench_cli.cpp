@@ -87,10 +87,14 @@ void add_options(CLI::App& app, Args& args) {
                  "256-character prompt, KV cache vs recomputation; and "
                  "batched-decode), batched-decode (B prompts of different "
                  "lengths through one left-padded KV cache vs one at a "
-                 "time, tokens/s, outputs compared), none; default: all")
+                 "time, tokens/s, outputs compared), flex (FlexAttention "
+                 "calls against the built-in options, L = 1024..16384, "
+                 "forward and forward+backward, peak memory; only when "
+                 "named), none; default: all but flex")
       ->delimiter(',')
       ->check(CLI::IsMember(
-          {"projections", "window", "generation", "batched-decode", "none"}));
+          {"projections", "window", "generation", "batched-decode", "flex",
+           "none"}));
   app.add_option("--memory-child", args.memory_child_spec)->group("");
   app.add_flag("--plant-fault", args.plant_fault,
                "self-test: shift one bias of mha's and the SDPA contender's "

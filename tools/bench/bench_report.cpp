@@ -532,10 +532,12 @@ void print_row(const RowResult& row, MemoryMethod memory) {
 
 Variants run_variants(const Args& args, const Plan& plan,
                       const Settings& settings) {
-  auto wants = [&](const char* variant) {
-    return args.variant_texts.empty() ||
-           std::find(args.variant_texts.begin(), args.variant_texts.end(),
+  auto named = [&](const char* variant) {
+    return std::find(args.variant_texts.begin(), args.variant_texts.end(),
                      variant) != args.variant_texts.end();
+  };
+  auto wants = [&](const char* variant) {
+    return args.variant_texts.empty() || named(variant);
   };
   Variants v;
   if (wants("projections")) {
@@ -552,6 +554,10 @@ Variants run_variants(const Args& args, const Plan& plan,
     bool failed = false;
     v.batched_decode = batched_decode_table(args.quick, settings, failed);
     v.generation_differs = v.generation_differs || failed;
+  }
+  // Long (L up to 16384): only when named.
+  if (named("flex") && !settings.device.is_cuda()) {
+    v.flex = flex_table(args.quick, settings);
   }
   return v;
 }
@@ -703,6 +709,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
   doc["rows"] = json_rows;
   doc["projections"] = variants.projections;
   doc["window"] = variants.window;
+  doc["flex"] = variants.flex;
   doc["generation"] = variants.generation;
   doc["batched_decode"] = variants.batched_decode;
   doc["summary"] = {

@@ -33,4 +33,13 @@ double time_once(const Run& run, const torch::Device& device);
 /// The median of `v`.
 double median_of(std::vector<double> v);
 
+/// Writes "5" to /proc/self/clear_refs: VmHWM restarts from the current RSS.
+bool reset_peak_rss();
+
+/// One run (time_once) with the peak RSS above the RSS before it (KiB) in
+/// `peak_kib`, after freeing the scratch mha's threads keep and trimming
+/// the heap.
+double measure_in_process(const Run& run, const torch::Device& device,
+                          int64_t& peak_kib);
+
 }  // namespace mha::bench

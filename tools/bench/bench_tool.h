@@ -107,12 +107,17 @@ struct Variants {
   nlohmann::json window = nullptr;
   nlohmann::json generation = nullptr;
   nlohmann::json batched_decode = nullptr;
+  nlohmann::json flex = nullptr;
   /// The char LM's cached characters differ from the recomputed ones, or
   /// batched decoding's outputs from one sequence at a time's.
   bool generation_differs = false;
 };
 Variants run_variants(const Args& args, const Plan& plan,
                       const Settings& settings);
+
+/// The flex table (bench_flex.cpp): FlexAttention calls against the
+/// built-in options, CPU; measured, printed, and its JSON rows.
+nlohmann::json flex_table(bool quick, const Settings& settings);
 
 /// What the rows add up to.
 struct Summary {
