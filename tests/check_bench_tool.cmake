@@ -272,6 +272,31 @@ if(NOT generation_type STREQUAL "NULL" OR NOT window_type STREQUAL "NULL" OR
           "window ${window_type}, batched_decode passed ${bd_passed}")
 endif()
 
+# Only the FlexAttention table (--quick: L = 256): five cases, each with its
+# density in (0, 1], positive times, and a built-in time where one exists.
+expect_exit(0 --quick --config 1,8,8,2 --mode inference --gemm-size 32
+            --variants flex --json ${WORK_DIR}/flex.json)
+file(READ ${WORK_DIR}/flex.json flex_json)
+string(JSON window_type TYPE "${flex_json}" window)
+string(JSON flex_rows LENGTH "${flex_json}" flex)
+if(NOT window_type STREQUAL "NULL" OR NOT flex_rows EQUAL 5)
+  message(FATAL_ERROR "--variants flex: window ${window_type}, ${flex_rows} "
+          "flex rows (expected 5)")
+endif()
+foreach(i RANGE 4)
+  string(JSON f_case GET "${flex_json}" flex ${i} case)
+  string(JSON f_density GET "${flex_json}" flex ${i} density)
+  string(JSON f_fwd GET "${flex_json}" flex ${i} flex_fwd_ms)
+  string(JSON f_fb GET "${flex_json}" flex ${i} flex_fwd_bwd_ms)
+  string(JSON f_diff GET "${flex_json}" flex ${i} max_abs_diff)
+  if(f_density LESS_EQUAL 0 OR f_density GREATER 1 OR f_fwd LESS_EQUAL 0 OR
+     f_fb LESS_EQUAL 0 OR f_diff GREATER 1e-4)
+    message(FATAL_ERROR "--variants flex row ${i} (${f_case}): density "
+            "${f_density}, forward ${f_fwd} ms, forward+backward ${f_fb} ms, "
+            "max |flex - built-in| ${f_diff}")
+  endif()
+endforeach()
+
 # Only the projections table: a row per configuration with L <= 256 and
 # self-attention mode (not encoder), each with its three medians.
 expect_exit(0 --quick --config 1,32,16,2 --config 1,300,8,2

@@ -66,7 +66,8 @@ Reference reference(const torch::Tensor& q, const torch::Tensor& k,
   }
   auto empty = s.eq(-kInf).all(-1, /*keepdim=*/true);
   auto lse = s.logsumexp(-1).masked_fill(empty.squeeze(-1), -kInf);
-  auto p = torch::softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0);
+  auto p =
+      torch::softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0);
   return {torch::matmul(p, v64), lse};
 }
 
@@ -112,7 +113,8 @@ struct Inputs {
 Inputs make_inputs(int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t S,
                    int64_t E, torch::ScalarType dtype, bool grad) {
   auto opts = torch::TensorOptions().dtype(dtype);
-  Inputs in{torch::randn({B, H, L, E}, opts), torch::randn({B, Hkv, S, E}, opts),
+  Inputs in{torch::randn({B, H, L, E}, opts),
+            torch::randn({B, Hkv, S, E}, opts),
             torch::randn({B, Hkv, S, E}, opts)};
   if (grad) {
     in.q.requires_grad_();
@@ -167,8 +169,8 @@ void check_against_reference(const Inputs& in, const ScoreMod& score_mod,
   inputs.insert(inputs.end(), captured.begin(), captured.end());
   auto got = torch::autograd::grad({(out.to(torch::kFloat64) * R).sum()},
                                    inputs, {}, false, false, true);
-  auto want = torch::autograd::grad({(ref.output * R).sum()}, inputs, {},
-                                    false, false, true);
+  auto want = torch::autograd::grad({(ref.output * R).sum()}, inputs, {}, false,
+                                    false, true);
   const char* names[] = {"dq", "dk", "dv"};
   for (size_t i = 0; i < inputs.size(); ++i) {
     const std::string name = i < 3 ? names[i] : "d_captured";
@@ -218,8 +220,8 @@ FixtureMods fixture_mods(const nlohmann::json& f,
       return kv.lt(P).logical_or(q.ge(kv));
     };
   } else if (m == "document") {
-    mods.mask_mod = mha::document_mask(data["doc_lengths"],
-                                       mask.at("causal").get<bool>());
+    mods.mask_mod =
+        mha::document_mask(data["doc_lengths"], mask.at("causal").get<bool>());
   } else if (m == "per_head_causal_window") {
     const auto W = mask.at("window").get<int64_t>();
     mods.mask_mod = [W](const torch::Tensor&, const torch::Tensor& h,
@@ -257,20 +259,20 @@ TEST_F(FlexAttention, MatchesPythonFixtures) {
   for (const auto& f : index.at("fixtures")) {
     const auto name = f.at("name").get<std::string>();
     SCOPED_TRACE(name);
-    auto data = mha::read_state_dict(fixtures::path("flex/" +
-                                                    f.at("data").get<std::string>()));
+    auto data = mha::read_state_dict(
+        fixtures::path("flex/" + f.at("data").get<std::string>()));
     auto mods = fixture_mods(f, data);
     BlockMask mask;
     if (mods.mask_mod) {
       auto opt = [&](const char* key) -> c10::optional<int64_t> {
-        return f.at(key).is_null() ? c10::nullopt
-                                   : c10::optional<int64_t>(f.at(key).get<int64_t>());
+        return f.at(key).is_null()
+                   ? c10::nullopt
+                   : c10::optional<int64_t>(f.at(key).get<int64_t>());
       };
-      mask = mha::create_block_mask(mods.mask_mod, opt("mask_B"), opt("mask_H"),
-                                    f.at("L").get<int64_t>(),
-                                    f.at("S").get<int64_t>(),
-                                    f.at("block_q").get<int64_t>(),
-                                    f.at("block_kv").get<int64_t>());
+      mask = mha::create_block_mask(
+          mods.mask_mod, opt("mask_B"), opt("mask_H"), f.at("L").get<int64_t>(),
+          f.at("S").get<int64_t>(), f.at("block_q").get<int64_t>(),
+          f.at("block_kv").get<int64_t>());
       const std::vector<std::pair<const char*, torch::Tensor>> tensors{
           {"kv_num_blocks", mask.kv_num_blocks},
           {"kv_indices", mask.kv_indices},
@@ -287,9 +289,9 @@ TEST_F(FlexAttention, MatchesPythonFixtures) {
       scale = f.at("scale").get<double>();
     }
     const bool gqa = f.at("enable_gqa").get<bool>();
-    auto [out, lse] = mha::flex_attention(data["query"], data["key"],
-                                          data["value"], mods.score_mod, mask,
-                                          scale, gqa, true);
+    auto [out, lse] =
+        mha::flex_attention(data["query"], data["key"], data["value"],
+                            mods.score_mod, mask, scale, gqa, true);
     expect_hf_close(out, data["output"], name + " output");
     auto lse_ref = data["lse"].to(torch::kFloat64);
     auto lse64 = lse.to(torch::kFloat64);
@@ -346,8 +348,8 @@ TEST_F(FlexAttention, MasksAndModsMatchTheDenseReferenceWithGradients) {
 TEST_F(FlexAttention, GroupedHeadsWithAlibiSlopesGetTheirGradient) {
   auto in = make_inputs(2, 4, 2, 150, 150, 16, torch::kFloat32, true);
   auto slopes = torch::tensor({0.5, 0.25, 0.125, 0.0625}).requires_grad_();
-  auto causal = mha::create_block_mask(causal_mod(), c10::nullopt,
-                                       c10::nullopt, 150, 150, 32);
+  auto causal = mha::create_block_mask(causal_mod(), c10::nullopt, c10::nullopt,
+                                       150, 150, 32);
   check_against_reference(in, alibi_mod(slopes), causal_mod(), causal, {},
                           /*gqa=*/true, {slopes}, "ALiBi + causal, GQA");
 }
@@ -372,12 +374,12 @@ TEST_F(FlexAttention, PerHeadAndPerBatchMasksAndFullyMaskedRows) {
                     const torch::Tensor& q, const torch::Tensor& kv) {
     return q.lt(50).logical_and(q.ge(kv));
   };
-  auto rows_mask = mha::create_block_mask(rows, c10::nullopt, c10::nullopt,
-                                          96, 160, 32);
-  check_against_reference(in, softcap_mod(3.0), rows, rows_mask, {}, false,
-                          {}, "fully masked rows");
-  auto [out, lse] = mha::flex_attention(in.q, in.k, in.v, {}, rows_mask, {},
-                                        false, true);
+  auto rows_mask =
+      mha::create_block_mask(rows, c10::nullopt, c10::nullopt, 96, 160, 32);
+  check_against_reference(in, softcap_mod(3.0), rows, rows_mask, {}, false, {},
+                          "fully masked rows");
+  auto [out, lse] =
+      mha::flex_attention(in.q, in.k, in.v, {}, rows_mask, {}, false, true);
   EXPECT_TRUE(out.narrow(2, 50, 46).eq(0).all().item<bool>());
   EXPECT_TRUE(lse.narrow(2, 50, 46).eq(-kInf).all().item<bool>());
   EXPECT_FALSE(out.isnan().any().item<bool>());
@@ -399,8 +401,8 @@ TEST_F(FlexAttention, ManyThreadsGiveTheSameResultAsOne) {
   auto run = [&] {
     auto [out, lse] =
         mha::flex_attention(in.q, in.k, in.v, table_mod(table, 300), mask);
-    auto grads = torch::autograd::grad({out.pow(2).sum()},
-                                       {in.q, in.k, in.v, table});
+    auto grads =
+        torch::autograd::grad({out.pow(2).sum()}, {in.q, in.k, in.v, table});
     grads.push_back(out);
     return grads;
   };
@@ -414,7 +416,8 @@ TEST_F(FlexAttention, ManyThreadsGiveTheSameResultAsOne) {
     spread = run();
   }
   for (size_t i = 0; i < serial.size(); ++i) {
-    expect_close(spread[i], serial[i], 1e-5, 1e-5, "tensor " + std::to_string(i));
+    expect_close(spread[i], serial[i], 1e-5, 1e-5,
+                 "tensor " + std::to_string(i));
   }
 }
 
@@ -424,8 +427,8 @@ TEST_F(FlexAttention, BlockMaskCountsAndSparsity) {
   auto mask = mha::create_block_mask(causal_mod(), c10::nullopt, c10::nullopt,
                                      128, 128, 32);
   EXPECT_EQ(mask.kv_num_blocks.scalar_type(), torch::kInt);
-  EXPECT_TRUE(mask.kv_num_blocks.flatten().equal(torch::tensor({1, 1, 1, 1},
-                                                               torch::kInt)));
+  EXPECT_TRUE(mask.kv_num_blocks.flatten().equal(
+      torch::tensor({1, 1, 1, 1}, torch::kInt)));
   EXPECT_TRUE(mask.full_kv_num_blocks.flatten().equal(
       torch::tensor({0, 1, 2, 3}, torch::kInt)));
   EXPECT_EQ(mask.kv_indices[0][0][2][0].item<int>(), 2);
@@ -439,6 +442,39 @@ TEST_F(FlexAttention, BlockMaskCountsAndSparsity) {
   EXPECT_DOUBLE_EQ(ragged.sparsity(), 0.0);
 }
 
+// The core skips unvisited blocks, calls mask_mod on partial blocks only
+// and score_mod on every visited block, once each.
+TEST_F(FlexAttention, ModsSeeOnlyTheVisitedBlocks) {
+  auto in = make_inputs(1, 2, 2, 128, 128, 8, torch::kFloat32, false);
+  std::atomic<int64_t> mask_elements{0}, score_elements{0};
+  MaskMod counted_causal = [&](const torch::Tensor&, const torch::Tensor&,
+                               const torch::Tensor& q,
+                               const torch::Tensor& kv) {
+    auto allowed = q.ge(kv);
+    mask_elements += allowed.numel();
+    return allowed;
+  };
+  ScoreMod counted_identity = [&](const torch::Tensor& s, const torch::Tensor&,
+                                  const torch::Tensor&, const torch::Tensor&,
+                                  const torch::Tensor&) {
+    score_elements += s.numel();
+    return s;
+  };
+  auto mask = mha::create_block_mask(counted_causal, c10::nullopt, c10::nullopt,
+                                     128, 128, 32);
+  EXPECT_EQ(mask_elements.load(), 128 * 128);  // built block by block
+  mask_elements = 0;
+  torch::NoGradGuard no_grad;  // (with grad mode, one probing call more)
+  auto [out, lse] =
+      mha::flex_attention(in.q, in.k, in.v, counted_identity, mask);
+  // Two heads: the 4 diagonal (partial) blocks, and the 10 visited ones.
+  EXPECT_EQ(mask_elements.load(), 2 * 4 * 32 * 32);
+  EXPECT_EQ(score_elements.load(), 2 * 10 * 32 * 32);
+  auto ref =
+      reference(in.q, in.k, in.v, {}, causal_mod(), 1.0 / std::sqrt(8.0));
+  expect_close(out, ref.output, 1e-5, 1e-4, "counted causal");
+}
+
 TEST_F(FlexAttention, DocumentBlockMaskEqualsTheEvaluatedOne) {
   auto lengths = torch::tensor({70, 5, 130, 1, 50, 64}, torch::kLong);
   EXPECT_TRUE(mha::document_ids(torch::tensor({2, 1, 3}))
@@ -446,11 +482,12 @@ TEST_F(FlexAttention, DocumentBlockMaskEqualsTheEvaluatedOne) {
   for (bool causal : {false, true}) {
     for (int64_t block : {16, 32, 128}) {
       auto built = mha::create_document_block_mask(lengths, causal, block);
-      auto evaluated = mha::create_block_mask(
-          mha::document_mask(lengths, causal), c10::nullopt, c10::nullopt, 320,
-          320, block);
-      const std::string what = std::string(causal ? "causal" : "bidirectional") +
-                               ", block " + std::to_string(block);
+      auto evaluated =
+          mha::create_block_mask(mha::document_mask(lengths, causal),
+                                 c10::nullopt, c10::nullopt, 320, 320, block);
+      const std::string what =
+          std::string(causal ? "causal" : "bidirectional") + ", block " +
+          std::to_string(block);
       EXPECT_TRUE(built.kv_num_blocks.equal(evaluated.kv_num_blocks)) << what;
       EXPECT_TRUE(built.kv_indices.equal(evaluated.kv_indices)) << what;
       EXPECT_TRUE(built.full_kv_num_blocks.equal(evaluated.full_kv_num_blocks))
@@ -475,8 +512,10 @@ TEST_F(FlexAttention, DocumentBlockMaskEqualsTheEvaluatedOne) {
 
 TEST_F(FlexAttention, AndOrNoopMasks) {
   DenseIndex i(1, 1, 6, 6);
-  auto both = mha::and_masks({causal_mod(), window_mod(2)})(i.b, i.h, i.q, i.kv);
-  auto either = mha::or_masks({causal_mod(), window_mod(2)})(i.b, i.h, i.q, i.kv);
+  auto both =
+      mha::and_masks({causal_mod(), window_mod(2)})(i.b, i.h, i.q, i.kv);
+  auto either =
+      mha::or_masks({causal_mod(), window_mod(2)})(i.b, i.h, i.q, i.kv);
   auto causal = causal_mod()(i.b, i.h, i.q, i.kv);
   auto window = window_mod(2)(i.b, i.h, i.q, i.kv);
   EXPECT_TRUE(both.equal(causal.logical_and(window)));
@@ -493,8 +532,8 @@ TEST_F(FlexAttention, BuiltInsAsModsEqualTheBuiltInOptions) {
                  const BlockMask& mask) {
     torch::manual_seed(7);
     mha::MultiHeadAttention m(options);
-    return std::get<0>(m->forward(x, {}, {}, {}, false, {}, true, causal, {},
-                                  mask));
+    return std::get<0>(
+        m->forward(x, {}, {}, {}, false, {}, true, causal, {}, mask));
   };
   auto base = mha::MultiHeadAttentionOptions(E, H);
   auto causal_mask = mha::create_block_mask(causal_mod(), c10::nullopt,
@@ -510,12 +549,13 @@ TEST_F(FlexAttention, BuiltInsAsModsEqualTheBuiltInOptions) {
                1e-5, 1e-5, "window");
   // ALiBi: slopes 2^(-8(h+1)/H), bias slope · (j - i).
   auto slopes = mha::alibi_slopes(H);
-  auto alibi = mha::MultiHeadAttentionOptions(base).score_mod(alibi_mod(slopes));
-  expect_close(
-      run(alibi, true, {}),
-      run(mha::MultiHeadAttentionOptions(base).position_bias(mha::PositionBias::kAlibi),
-          true, {}),
-      1e-5, 1e-5, "ALiBi");
+  auto alibi =
+      mha::MultiHeadAttentionOptions(base).score_mod(alibi_mod(slopes));
+  expect_close(run(alibi, true, {}),
+               run(mha::MultiHeadAttentionOptions(base).position_bias(
+                       mha::PositionBias::kAlibi),
+                   true, {}),
+               1e-5, 1e-5, "ALiBi");
 }
 
 TEST_F(FlexAttention, T5BucketsAsAScoreMod) {
@@ -532,13 +572,12 @@ TEST_F(FlexAttention, T5BucketsAsAScoreMod) {
   auto table = builtin->relative_attention_bias->weight;  // (buckets, H)
   auto buckets = mha::relative_position_bucket(
       torch::arange(-(L - 1), L, torch::kLong), true, 32, 128);  // (2L - 1)
-  plain.score_mod([table, buckets, L](const torch::Tensor& s,
-                                      const torch::Tensor&,
-                                      const torch::Tensor& h,
-                                      const torch::Tensor& q,
-                                      const torch::Tensor& kv) {
-    return s + table.index({buckets.index({kv - q + (L - 1)}), h});
-  });
+  plain.score_mod(
+      [table, buckets, L](const torch::Tensor& s, const torch::Tensor&,
+                          const torch::Tensor& h, const torch::Tensor& q,
+                          const torch::Tensor& kv) {
+        return s + table.index({buckets.index({kv - q + (L - 1)}), h});
+      });
   mha::MultiHeadAttention modded(plain);
   torch::NoGradGuard no_grad;
   for (const auto& p : builtin->named_parameters()) {
@@ -558,9 +597,9 @@ TEST_F(FlexAttention, PackedDocumentsThroughTheModulesEqualSeparateRuns) {
   mha::MultiHeadAttention m(options);
   auto x = torch::randn({1, T, E}, torch::requires_grad());
   // Positions restart in each document.
-  auto positions = torch::cat({torch::arange(30), torch::arange(70),
-                               torch::arange(28)})
-                       .unsqueeze(0);
+  auto positions =
+      torch::cat({torch::arange(30), torch::arange(70), torch::arange(28)})
+          .unsqueeze(0);
   auto mask = mha::create_document_block_mask(lengths, /*causal=*/true, 32);
   auto [packed, w] =
       m->forward(x, {}, {}, {}, false, {}, true, false, positions, mask);
@@ -575,7 +614,8 @@ TEST_F(FlexAttention, PackedDocumentsThroughTheModulesEqualSeparateRuns) {
   }
   // Through the encoder layer, with gradients.
   mha::TransformerEncoderLayer layer(
-      mha::TransformerEncoderLayerOptions(E, H).dim_feedforward(64).dropout(0.0));
+      mha::TransformerEncoderLayerOptions(E, H).dim_feedforward(64).dropout(
+          0.0));
   auto y = layer->forward(x, {}, {}, false, mask);
   auto dx = torch::autograd::grad({y.sum()}, {x})[0];
   EXPECT_FALSE(dx.isnan().any().item<bool>());
@@ -591,7 +631,8 @@ TEST_F(FlexAttention, PackedDocumentsThroughTheModulesEqualSeparateRuns) {
 TEST_F(FlexAttention, ModuleScoreModAppliesEverywhere) {
   const int64_t E = 16, H = 2, L = 12;
   auto base = mha::MultiHeadAttentionOptions(E, H);
-  auto capped = mha::MultiHeadAttentionOptions(base).score_mod(softcap_mod(0.5));
+  auto capped =
+      mha::MultiHeadAttentionOptions(base).score_mod(softcap_mod(0.5));
   torch::manual_seed(1);
   mha::MultiHeadAttention plain(base);
   torch::manual_seed(1);
@@ -626,8 +667,7 @@ TEST_F(FlexAttention, ExplicitPathForOtherDtypes) {
   auto [out, lse] = mha::flex_attention(
       in.q.to(torch::kBFloat16), in.k.to(torch::kBFloat16),
       in.v.to(torch::kBFloat16), softcap_mod(2.0), mask, {}, false, true);
-  auto ref = reference(in.q, in.k, in.v, softcap_mod(2.0), causal_mod(),
-                       0.25);
+  auto ref = reference(in.q, in.k, in.v, softcap_mod(2.0), causal_mod(), 0.25);
   EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
   EXPECT_EQ(lse.scalar_type(), torch::kFloat32);
   expect_close(out, ref.output, 0.05, 0.05, "bfloat16 output");
@@ -653,8 +693,9 @@ TEST_F(FlexAttention, ErrorsNameWhatWasWrong) {
   };
   {
     IntraOpThreads two(2);  // thrown on a worker thread
-    EXPECT_THROW_MSG(mha::flex_attention(in.q, in.k, in.v, throws, {}, {}, true),
-                     "score_mod threw: boom");
+    EXPECT_THROW_MSG(
+        mha::flex_attention(in.q, in.k, in.v, throws, {}, {}, true),
+        "score_mod threw: boom");
   }
   ScoreMod integer = [](const torch::Tensor& s, const torch::Tensor&,
                         const torch::Tensor&, const torch::Tensor&,
@@ -670,12 +711,11 @@ TEST_F(FlexAttention, ErrorsNameWhatWasWrong) {
       mha::flex_attention(in.q, in.k, in.v, wrong_shape, {}, {}, true),
       "score_mod's result must be broadcastable");
   MaskMod not_bool = [](const torch::Tensor&, const torch::Tensor&,
-                        const torch::Tensor& q, const torch::Tensor&) {
-    return q.to(torch::kFloat);
-  };
-  EXPECT_THROW_MSG(mha::create_block_mask(not_bool, c10::nullopt, c10::nullopt,
-                                          32, 32, 16),
-                   "expected bool");
+                        const torch::Tensor& q,
+                        const torch::Tensor&) { return q.to(torch::kFloat); };
+  EXPECT_THROW_MSG(
+      mha::create_block_mask(not_bool, c10::nullopt, c10::nullopt, 32, 32, 16),
+      "expected bool");
   EXPECT_THROW_MSG(mha::document_ids(torch::tensor({3, 0})), "positive");
   mha::MultiHeadAttention m(mha::MultiHeadAttentionOptions(8, 2));
   EXPECT_THROW_MSG(m->forward(torch::randn({1, 32, 8}), {}, {}, {}, false, {},

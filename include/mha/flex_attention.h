@@ -2,10 +2,11 @@
 // block-sparse masks that let the core skip the blocks no query may see.
 //
 // Semantics: PyTorch's FlexAttention (`torch.nn.attention.flex_attention`,
-// PyTorch >= 2.5; https://pytorch.org/docs/stable/nn.attention.flex_attention.html,
-// and the blog post "FlexAttention: The Flexibility of PyTorch with the
-// Performance of FlashAttention", 2024). Python runs it on CPU compiled and
-// forward only; mha's is C++, eager (no compile step), with backward.
+// PyTorch >= 2.5;
+// https://pytorch.org/docs/stable/nn.attention.flex_attention.html, and the
+// blog post "FlexAttention: The Flexibility of PyTorch with the Performance of
+// FlashAttention", 2024). Python runs it on CPU compiled and forward only;
+// mha's is C++, eager (no compile step), with backward.
 //
 // !!! A MaskMod returns bool TRUE where the query MAY ATTEND to the key:
 // !!! Python FlexAttention's convention, so that mask functions port
@@ -42,7 +43,8 @@ namespace mha {
 /// through the autograd graph of one probing call; see flex_attention).
 ///
 /// Example (Gemma 2's soft-capping, Python `softcap * tanh(score / softcap)`):
-///   mha::ScoreMod softcap = [](const torch::Tensor& score, const torch::Tensor&,
+///   mha::ScoreMod softcap = [](const torch::Tensor& score, const
+///   torch::Tensor&,
 ///                              const torch::Tensor&, const torch::Tensor&,
 ///                              const torch::Tensor&) {
 ///     return 30.0 * torch::tanh(score / 30.0);
@@ -61,10 +63,9 @@ using ScoreMod = std::function<torch::Tensor(
 ///                            const torch::Tensor& kv_idx) {
 ///     return q_idx >= kv_idx;
 ///   };
-using MaskMod =
-    std::function<torch::Tensor(const torch::Tensor& b, const torch::Tensor& h,
-                                const torch::Tensor& q_idx,
-                                const torch::Tensor& kv_idx)>;
+using MaskMod = std::function<torch::Tensor(
+    const torch::Tensor& b, const torch::Tensor& h, const torch::Tensor& q_idx,
+    const torch::Tensor& kv_idx)>;
 
 /// Which (query block, key block) pairs a call visits, as Python's BlockMask:
 /// for each batch b and head h (size 1 broadcasts) and query block i, the
@@ -119,10 +120,11 @@ BlockMask create_block_mask(MaskMod mask_mod, c10::optional<int64_t> B,
                             int64_t kv_len, int64_t block_q = 128,
                             c10::optional<int64_t> block_kv = c10::nullopt);
 
-/// Elements that every one of `mods` allows (Python's and_masks). Throws
-/// c10::Error for an empty list or an empty function.
+/// Elements that every one of `mods` allows (Python's and_masks; no mods:
+/// every element). Throws c10::Error for an empty function among them.
 MaskMod and_masks(std::vector<MaskMod> mods);
-/// Elements that any of `mods` allows (Python's or_masks).
+/// Elements that any of `mods` allows (Python's or_masks; no mods: none).
+/// Throws c10::Error for an empty function among them.
 MaskMod or_masks(std::vector<MaskMod> mods);
 /// Every element allowed (Python's noop_mask).
 MaskMod noop_mask();

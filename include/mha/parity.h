@@ -86,6 +86,15 @@ struct Case {
   bool need_weights = true;
   /// Weights averaged over heads (N, L, S), else per head (N, H, L, S).
   bool average_attn_weights = true;
+  /// FlexAttention (mha/flex_attention.h) row: "" none; "block-causal"
+  /// (is_causal as a causal BlockMask of 8-row blocks), "documents" (three
+  /// packed documents, causal, as create_document_block_mask; the
+  /// references get the same mask as a float attn_mask), "softcap" (the
+  /// module's score_mod: 2 · tanh(score / 2), with is_causal), "alibi"
+  /// (ALiBi's bias as a score_mod capturing the slopes, with is_causal).
+  /// torch::nn is the reference where it computes the same (block-causal,
+  /// documents), the float64 reference (which applies the score_mod) always.
+  std::string flex;
   /// dtype of inputs and parameters (float32, float64; half types on CUDA).
   torch::ScalarType dtype = torch::kFloat32;
   /// Called on the mha attention module (an encoder layer's self_attn) after

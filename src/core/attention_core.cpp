@@ -88,8 +88,7 @@ torch::Tensor dense_block_mask(const BlockMask& mask, int64_t N, int64_t H,
   auto visited_partial = expand_blocks(partial.to_dense());
   auto allowed = call_mask_mod(
       mask.mask_mod, index_along(N, 0, 4, device), index_along(H, 1, 4, device),
-      index_along(L, 2, 4, device), index_along(S, 3, 4, device),
-      {N, H, L, S});
+      index_along(L, 2, 4, device), index_along(S, 3, 4, device), {N, H, L, S});
   allowed = allowed.logical_and(visited_partial);
   if (mask.full_kv_num_blocks.defined()) {
     BlockMask full = mask;
@@ -104,14 +103,11 @@ torch::Tensor dense_block_mask(const BlockMask& mask, int64_t N, int64_t H,
 
 }  // namespace
 
-AttentionResult explicit_attention(const torch::Tensor& query,
-                                   const torch::Tensor& key,
-                                   const torch::Tensor& value,
-                                   const torch::Tensor& mask_in,
-                                   const KeyPositions& positions,
-                                   double dropout_p, double scale,
-                                   WeightsMode weights_mode,
-                                   const FlexMods* flex) {
+AttentionResult explicit_attention(
+    const torch::Tensor& query, const torch::Tensor& key,
+    const torch::Tensor& value, const torch::Tensor& mask_in,
+    const KeyPositions& positions, double dropout_p, double scale,
+    WeightsMode weights_mode, const FlexMods* flex) {
   const auto dtype = query.scalar_type();
   const bool is_flex = flex != nullptr && flex->active();
   // broadcastable to (..., L, S)
@@ -148,11 +144,10 @@ AttentionResult explicit_attention(const torch::Tensor& query,
     const auto N = query.size(0), H = query.size(1);
     const auto L = query.size(2), S = key.size(2);
     if (flex->score_mod) {
-      scores = call_score_mod(flex->score_mod, scores,
-                              index_along(N, 0, 4, device),
-                              index_along(H, 1, 4, device),
-                              index_along(L, 2, 4, device),
-                              index_along(S, 3, 4, device));
+      scores = call_score_mod(
+          flex->score_mod, scores, index_along(N, 0, 4, device),
+          index_along(H, 1, 4, device), index_along(L, 2, 4, device),
+          index_along(S, 3, 4, device));
     }
     if (mask.defined()) {
       // -inf set, not added (a +inf score would give NaN).
@@ -288,8 +283,7 @@ torch::Tensor call_mask_mod(const MaskMod& mask_mod, const torch::Tensor& b,
               shape);
   TORCH_CHECK(result.scalar_type() == torch::kBool,
               "flex_attention: mask_mod returned a tensor of dtype ",
-              result.scalar_type(),
-              "; expected bool (true = may attend)");
+              result.scalar_type(), "; expected bool (true = may attend)");
   check_broadcastable(result, "flex_attention: mask_mod's result", shape,
                       "the block's shape");
   return result.expand(shape);
@@ -392,14 +386,11 @@ thread_local AttentionPath last_path = AttentionPath::kExplicit;
 
 AttentionPath last_attention_path() { return last_path; }
 
-AttentionResult attention_core(const torch::Tensor& query,
-                               const torch::Tensor& key_in,
-                               const torch::Tensor& value_in,
-                               const torch::Tensor& mask,
-                               const KeyPositions& positions, double dropout_p,
-                               double scale, WeightsMode weights,
-                               const torch::Tensor& packed,
-                               const FlexMods* flex_in) {
+AttentionResult attention_core(
+    const torch::Tensor& query, const torch::Tensor& key_in,
+    const torch::Tensor& value_in, const torch::Tensor& mask,
+    const KeyPositions& positions, double dropout_p, double scale,
+    WeightsMode weights, const torch::Tensor& packed, const FlexMods* flex_in) {
   auto call =
       AttentionCall::of(query, key_in, mask, positions, dropout_p, weights);
   if (flex_in != nullptr && flex_in->active()) {
@@ -408,9 +399,9 @@ AttentionResult attention_core(const torch::Tensor& query,
     flex.captured = flex_captured_leaves(flex.score_mod, query.options());
     if (blocked_applies(call) && query.dim() == 4) {
       last_path = AttentionPath::kBlocked;
-      return blocked_attention(query, key_in, value_in, mask, positions,
-                               scale, weights, /*block_rows=*/0,
-                               KeptWeights::kNever, packed, &flex);
+      return blocked_attention(query, key_in, value_in, mask, positions, scale,
+                               weights, /*block_rows=*/0, KeptWeights::kNever,
+                               packed, &flex);
     }
     last_path = AttentionPath::kExplicit;
     const auto heads = query.size(1);

@@ -288,14 +288,11 @@ AttentionResult attention_core(const torch::Tensor& query,
 
 /// The explicit path: whole (..., L, S) score and weight tensors. With
 /// `flex` (4-D inputs), its score_mod and block mask applied to them.
-AttentionResult explicit_attention(const torch::Tensor& query,
-                                   const torch::Tensor& key,
-                                   const torch::Tensor& value,
-                                   const torch::Tensor& mask,
-                                   const KeyPositions& positions,
-                                   double dropout_p, double scale,
-                                   WeightsMode weights,
-                                   const FlexMods* flex = nullptr);
+AttentionResult explicit_attention(
+    const torch::Tensor& query, const torch::Tensor& key,
+    const torch::Tensor& value, const torch::Tensor& mask,
+    const KeyPositions& positions, double dropout_p, double scale,
+    WeightsMode weights, const FlexMods* flex = nullptr);
 
 /// Whether blocked attention keeps each block's weights for backward.
 enum class KeptWeights {
@@ -323,15 +320,12 @@ enum class KeptWeights {
 /// block_rows as above where it has none) and its columns the keys of the
 /// visited key blocks, side by side; nothing is kept for backward, and the
 /// items run on ATen's threads or in order (the mods are user code).
-AttentionResult blocked_attention(const torch::Tensor& query,
-                                  const torch::Tensor& key,
-                                  const torch::Tensor& value,
-                                  const torch::Tensor& mask,
-                                  const KeyPositions& positions, double scale,
-                                  WeightsMode weights, int64_t block_rows = 0,
-                                  KeptWeights kept = KeptWeights::kAuto,
-                                  const torch::Tensor& packed = {},
-                                  const FlexMods* flex = nullptr);
+AttentionResult blocked_attention(
+    const torch::Tensor& query, const torch::Tensor& key,
+    const torch::Tensor& value, const torch::Tensor& mask,
+    const KeyPositions& positions, double scale, WeightsMode weights,
+    int64_t block_rows = 0, KeptWeights kept = KeptWeights::kAuto,
+    const torch::Tensor& packed = {}, const FlexMods* flex = nullptr);
 
 /// Where for_each_item runs its work items.
 enum class ItemThreads : int64_t {

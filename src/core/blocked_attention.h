@@ -9,8 +9,10 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/attention_core.h"
 #include "core/fused_softmax.h"
@@ -45,6 +47,59 @@ struct BlockedSpec {
   // tensors are int32 contiguous on the CPU; a relative bias of the
   // positions is folded into its score_mod.
   std::shared_ptr<const FlexMods> flex;
+};
+
+/// A run of keys a block computes: keys [key0, key0 + cols) sit at columns
+/// [col, col + cols) of the block's scores.
+struct KeySpan {
+  int64_t key0 = 0, cols = 0, col = 0;
+};
+
+/// One block: query rows [row0, row0 + rows) and the keys any of them can
+/// see, `cols` in all, side by side in `spans`: one run [col0, col0 + cols)
+/// from the positions' limits, or, for a flex call with a block mask, the
+/// keys of the visited key blocks (within those limits), adjacent blocks
+/// joined into one run; `partial` lists its partial blocks' keys (mask_mod
+/// is evaluated there).
+struct Block {
+  int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
+  int64_t L = 0;  // query rows in all: relative_bias[h][j - i + L - 1]
+  std::vector<KeySpan> spans;
+  std::vector<KeySpan> partial;  // flex: the partial blocks' keys
+  bool has_full = false;         // flex: a full key block is visited
+
+  Block(const KeyPositions& positions, int64_t row0_, int64_t rows_, int64_t L_,
+        int64_t S)
+      : row0(row0_), rows(rows_), L(L_) {
+    col0 = std::clamp<int64_t>(positions.begin(row0), 0, S);
+    const auto end = std::clamp<int64_t>(positions.end(row0 + rows - 1), 0, S);
+    cols = std::max<int64_t>(0, end - col0);
+    if (cols > 0) {
+      spans.push_back({col0, cols, 0});
+    }
+  }
+  /// The block of head (n, h) of a call: the positions' run, cut to the
+  /// visited blocks of spec.flex's block mask where it has one (the block
+  /// is then one query block of it: row0 a multiple of block_q).
+  Block(const BlockedSpec& spec, int64_t n, int64_t h, int64_t row0_,
+        int64_t rows_, int64_t L_, int64_t S);
+  /// The visible columns of each row, relative to col0 (one run from the
+  /// positions; a flex call with a block mask applies its limits itself).
+  RowLimits limits(const KeyPositions& positions) const {
+    RowLimits l;
+    l.begin0 = positions.begin(row0) - col0;
+    l.end0 = positions.end(row0) - col0;
+    l.begin_slides = positions.window > 0;
+    l.end_slides = positions.causal || positions.window > 0;
+    return l;
+  }
+  /// Index into relative_bias[h] of row 0's column 0 (row r, column c:
+  /// bias_base() - r + c).
+  int64_t bias_base() const { return col0 - row0 + L - 1; }
+  /// (rows, cols) int64: bias_base() - r + c.
+  torch::Tensor bias_index() const {
+    return relative_bias_index(rows, cols, bias_base());
+  }
 };
 
 /// What blocked_forward and batched_forward return.
@@ -82,12 +137,12 @@ BlockedGradients blocked_backward(
 /// Runs a blocked call under autograd (blocked_autograd.cpp): output, and
 /// weights when spec asks for them, then the logsumexp when spec.flex asks
 /// for it (no gradient). With spec.flex, the tensors its score_mod captures
-/// (spec.flex->captured) are inputs too, whose gradients backward returns. relative_bias (Hb, L + S - 1)
-/// contiguous, or empty (0) for none. With `packed` undefined, or not a
-/// tensor that q, k and v are views of and cover exactly (attention_core's
-/// `packed`), backward returns a gradient per input; otherwise it returns
-/// one gradient for the packed tensor. Pass `packed` only when a gradient
-/// is needed and the call is not spec.one_block.
+/// (spec.flex->captured) are inputs too, whose gradients backward returns.
+/// relative_bias (Hb, L + S - 1) contiguous, or empty (0) for none. With
+/// `packed` undefined, or not a tensor that q, k and v are views of and cover
+/// exactly (attention_core's `packed`), backward returns a gradient per input;
+/// otherwise it returns one gradient for the packed tensor. Pass `packed` only
+/// when a gradient is needed and the call is not spec.one_block.
 torch::autograd::variable_list apply_blocked(const torch::Tensor& q,
                                              const torch::Tensor& k,
                                              const torch::Tensor& v,

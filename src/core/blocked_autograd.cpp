@@ -114,9 +114,8 @@ BlockedGradients backward_from(
                       : at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)},
                                   q.options());
   const auto spec = load_spec(ctx);
-  const auto grad_weights = spec.weights != WeightsMode::kNone
-                                ? grads[1]
-                                : torch::Tensor();
+  const auto grad_weights =
+      spec.weights != WeightsMode::kNone ? grads[1] : torch::Tensor();
   const auto& kept = ctx->saved_data.at("kept");
   const auto kept_weights = kept.isNone() ? torch::Tensor() : kept.toTensor();
   if (spec.one_block) {
@@ -146,9 +145,11 @@ class BlockedAttentionFunction
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2];
     auto g = backward_from(ctx, q, k, v, saved[3], grads, [&] {
-      return BlockedGradients{
-          at::empty(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()),
-          at::zeros(v.sizes(), v.options()), torch::Tensor(), {}};
+      return BlockedGradients{at::empty(q.sizes(), q.options()),
+                              at::zeros(k.sizes(), k.options()),
+                              at::zeros(v.sizes(), v.options()),
+                              torch::Tensor(),
+                              {}};
     });
     return {g.dq, g.dk, g.dv, g.relative_bias, torch::Tensor()};
   }
@@ -163,10 +164,9 @@ class FlexAttentionFunction
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
       const torch::Tensor& k, const torch::Tensor& v,
-      const torch::autograd::variable_list& captured,
+      at::TensorList /*captured: inputs for autograd*/,
       const BlockedSpec& spec) {
     ctx->save_for_backward({q, k, v});
-    ctx->saved_data["captured"] = static_cast<int64_t>(captured.size());
     return forward_saving(ctx, q, k, v, at::empty({0}, q.options()), spec);
   }
 
@@ -175,15 +175,14 @@ class FlexAttentionFunction
       torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2];
-    auto g = backward_from(ctx, q, k, v, at::empty({0}, q.options()), grads,
-                           [&] {
-                             return BlockedGradients{
-                                 at::empty(q.sizes(), q.options()),
-                                 at::zeros(k.sizes(), k.options()),
-                                 at::zeros(v.sizes(), v.options()),
-                                 torch::Tensor(),
-                                 {}};
-                           });
+    auto g =
+        backward_from(ctx, q, k, v, at::empty({0}, q.options()), grads, [&] {
+          return BlockedGradients{at::empty(q.sizes(), q.options()),
+                                  at::zeros(k.sizes(), k.options()),
+                                  at::zeros(v.sizes(), v.options()),
+                                  torch::Tensor(),
+                                  {}};
+        });
     torch::autograd::variable_list result{g.dq, g.dk, g.dv};
     result.insert(result.end(), g.captured.begin(), g.captured.end());
     result.push_back(torch::Tensor());  // spec
@@ -248,14 +247,17 @@ class PackedAttentionFunction
     // so every element is written: dq's, and dk's and dv's zeroed here.
     auto d_packed =
         at::empty_strided(packed.sizes(), packed.strides(), packed.options());
-    const auto g = backward_from(
-        ctx, of(packed, 0), of(packed, 1), of(packed, 2), saved[1], grads, [&] {
-          BlockedGradients buffers{of(d_packed, 0), of(d_packed, 1),
-                                   of(d_packed, 2), torch::Tensor(), {}};
-          buffers.dk.zero_();
-          buffers.dv.zero_();
-          return buffers;
-        });
+    const auto g = backward_from(ctx, of(packed, 0), of(packed, 1),
+                                 of(packed, 2), saved[1], grads, [&] {
+                                   BlockedGradients buffers{of(d_packed, 0),
+                                                            of(d_packed, 1),
+                                                            of(d_packed, 2),
+                                                            torch::Tensor(),
+                                                            {}};
+                                   buffers.dk.zero_();
+                                   buffers.dv.zero_();
+                                   return buffers;
+                                 });
     return {d_packed, g.relative_bias, torch::Tensor(), torch::Tensor()};
   }
 };
@@ -289,7 +291,9 @@ torch::autograd::variable_list apply_blocked(const torch::Tensor& q,
                                              const BlockedSpec& spec,
                                              const torch::Tensor& packed) {
   if (spec.flex != nullptr) {
-    return FlexAttentionFunction::apply(q, k, v, spec.flex->captured, spec);
+    // As a TensorList, each captured tensor is an input of its own.
+    return FlexAttentionFunction::apply(
+        q, k, v, at::TensorList(spec.flex->captured), spec);
   }
   const auto base = packed_base(packed, q, k, v);
   if (!base.defined()) {

@@ -32,9 +32,9 @@ torch::Tensor dense_of(const torch::Tensor& counts,
   auto valid = order.lt(counts.unsqueeze(-1).to(torch::kLong));  // (.., nkv)
   // Entries past the count point at an extra column, cut off below.
   auto where = indices.to(torch::kLong).masked_fill(valid.logical_not(), nkv);
-  auto dense = torch::zeros({counts.size(0), counts.size(1), counts.size(2),
-                             nkv + 1},
-                            indices.options().dtype(torch::kBool));
+  auto dense =
+      torch::zeros({counts.size(0), counts.size(1), counts.size(2), nkv + 1},
+                   indices.options().dtype(torch::kBool));
   dense.scatter_(-1, where, true);
   return dense.narrow(-1, 0, nkv);
 }
@@ -47,7 +47,7 @@ BlockMask from_block_states(const torch::Tensor& states, MaskMod mask_mod,
                             int64_t q_len, int64_t kv_len, int64_t block_q,
                             int64_t block_kv) {
   auto layout = [&](const torch::Tensor& chosen,
-                    torch::Tensor& counts,  // (B, H, nq)
+                    torch::Tensor& counts,     // (B, H, nq)
                     torch::Tensor& indices) {  // (B, H, nq, nkv)
     const auto as_int = chosen.to(torch::kInt);
     counts = as_int.sum(-1).to(torch::kInt);
@@ -140,36 +140,39 @@ BlockMask create_block_mask(MaskMod mask_mod, c10::optional<int64_t> B,
                            block_kv);
 }
 
-MaskMod and_masks(std::vector<MaskMod> mods) {
+namespace {
+
+/// The elementwise `combine` (logical_and or logical_or) of every mod's
+/// result, starting from `identity` (true or false, broadcast as Python's
+/// b.new_ones(()) / new_zeros(())).
+MaskMod fold_masks(std::vector<MaskMod> mods, bool identity,
+                   torch::Tensor (torch::Tensor::*combine)(const torch::Tensor&)
+                       const,
+                   const char* who) {
   for (const auto& mod : mods) {
-    TORCH_CHECK(bool(mod), "and_masks: an empty function among the masks");
+    TORCH_CHECK(bool(mod), who, ": an empty function among the masks");
   }
-  return [mods = std::move(mods)](const torch::Tensor& b,
-                                  const torch::Tensor& h,
-                                  const torch::Tensor& q_idx,
-                                  const torch::Tensor& kv_idx) {
-    auto result = torch::ones({}, b.options().dtype(torch::kBool));
+  return [mods = std::move(mods), identity, combine](
+             const torch::Tensor& b, const torch::Tensor& h,
+             const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+    auto result = torch::full({}, identity, b.options().dtype(torch::kBool));
     for (const auto& mod : mods) {
-      result = result.logical_and(mod(b, h, q_idx, kv_idx));
+      result = (result.*combine)(mod(b, h, q_idx, kv_idx));
     }
     return result;
   };
 }
 
+}  // namespace
+
+MaskMod and_masks(std::vector<MaskMod> mods) {
+  return fold_masks(std::move(mods), true, &torch::Tensor::logical_and,
+                    "and_masks");
+}
+
 MaskMod or_masks(std::vector<MaskMod> mods) {
-  for (const auto& mod : mods) {
-    TORCH_CHECK(bool(mod), "or_masks: an empty function among the masks");
-  }
-  return [mods = std::move(mods)](const torch::Tensor& b,
-                                  const torch::Tensor& h,
-                                  const torch::Tensor& q_idx,
-                                  const torch::Tensor& kv_idx) {
-    auto result = torch::zeros({}, b.options().dtype(torch::kBool));
-    for (const auto& mod : mods) {
-      result = result.logical_or(mod(b, h, q_idx, kv_idx));
-    }
-    return result;
-  };
+  return fold_masks(std::move(mods), false, &torch::Tensor::logical_or,
+                    "or_masks");
 }
 
 MaskMod noop_mask() {
@@ -198,13 +201,13 @@ torch::Tensor document_ids(const torch::Tensor& lengths) {
 
 MaskMod document_mask(const torch::Tensor& lengths, bool causal) {
   const auto doc = document_ids(lengths);
-  return [doc, causal](const torch::Tensor&, const torch::Tensor&,
-                       const torch::Tensor& q_idx,
-                       const torch::Tensor& kv_idx) {
-    const auto d = doc.to(q_idx.device());
-    auto same = d.index({q_idx}).eq(d.index({kv_idx}));
-    return causal ? same.logical_and(q_idx.ge(kv_idx)) : same;
-  };
+  return
+      [doc, causal](const torch::Tensor&, const torch::Tensor&,
+                    const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+        const auto d = doc.to(q_idx.device());
+        auto same = d.index({q_idx}).eq(d.index({kv_idx}));
+        return causal ? same.logical_and(q_idx.ge(kv_idx)) : same;
+      };
 }
 
 BlockMask create_document_block_mask(const torch::Tensor& lengths, bool causal,
@@ -224,8 +227,8 @@ BlockMask create_document_block_mask(const torch::Tensor& lengths, bool causal,
     return static_cast<int64_t>(
         std::upper_bound(starts.begin(), starts.end(), t) - starts.begin() - 1);
   };
-  auto states = torch::zeros({1, 1, n, n},
-                             torch::TensorOptions().dtype(torch::kChar));
+  auto states =
+      torch::zeros({1, 1, n, n}, torch::TensorOptions().dtype(torch::kChar));
   auto* state = states.data_ptr<int8_t>();
   for (int64_t i = 0; i < n; ++i) {
     const auto q0 = i * block, q1 = std::min(q0 + block, T);  // [q0, q1)
@@ -274,11 +277,11 @@ std::tuple<torch::Tensor, torch::Tensor> flex_attention(
               "flex_attention: key and value must have query's dtype ",
               query.scalar_type(), ", but got key ", key.scalar_type(),
               ", value ", value.scalar_type());
-  TORCH_CHECK(key.device() == query.device() &&
-                  value.device() == query.device(),
-              "flex_attention: key and value must be on query's device ",
-              query.device(), ", but got key on ", key.device(), ", value on ",
-              value.device());
+  TORCH_CHECK(
+      key.device() == query.device() && value.device() == query.device(),
+      "flex_attention: key and value must be on query's device ",
+      query.device(), ", but got key on ", key.device(), ", value on ",
+      value.device());
   const auto B = query.size(0), Hq = query.size(1), L = query.size(2),
              E = query.size(3);
   const auto Hkv = key.size(1), S = key.size(2);
@@ -310,18 +313,17 @@ std::tuple<torch::Tensor, torch::Tensor> flex_attention(
                 block_mask.q_len, ", kv_len = ", block_mask.kv_len,
                 ", but the call has L = ", L, ", S = ", S);
     const auto& counts = block_mask.kv_num_blocks;
-    TORCH_CHECK(counts.dim() == 3 && (counts.size(0) == 1 || counts.size(0) == B) &&
-                    (counts.size(1) == 1 || counts.size(1) == Hq) &&
-                    counts.size(2) == blocks_of(L, block_mask.block_q) &&
-                    block_mask.kv_indices.dim() == 4 &&
-                    block_mask.kv_indices.size(3) ==
-                        blocks_of(S, block_mask.block_kv),
-                "flex_attention: the block_mask's kv_num_blocks ",
-                counts.sizes(), " and kv_indices ",
-                block_mask.kv_indices.sizes(),
-                " do not fit the call: expected (1 or B = ", B, ", 1 or Hq = ",
-                Hq, ", ", blocks_of(L, block_mask.block_q), ") and (..., ",
-                blocks_of(S, block_mask.block_kv), ")");
+    TORCH_CHECK(
+        counts.dim() == 3 && (counts.size(0) == 1 || counts.size(0) == B) &&
+            (counts.size(1) == 1 || counts.size(1) == Hq) &&
+            counts.size(2) == blocks_of(L, block_mask.block_q) &&
+            block_mask.kv_indices.dim() == 4 &&
+            block_mask.kv_indices.size(3) == blocks_of(S, block_mask.block_kv),
+        "flex_attention: the block_mask's kv_num_blocks ", counts.sizes(),
+        " and kv_indices ", block_mask.kv_indices.sizes(),
+        " do not fit the call: expected (1 or B = ", B, ", 1 or Hq = ", Hq,
+        ", ", blocks_of(L, block_mask.block_q), ") and (..., ",
+        blocks_of(S, block_mask.block_kv), ")");
   }
   detail::FlexMods mods;
   mods.score_mod = score_mod;

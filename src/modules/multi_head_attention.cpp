@@ -383,7 +383,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
                 "MultiHeadAttention: the block_mask was made for q_len = ",
                 block_mask.q_len, ", kv_len = ", block_mask.kv_len,
                 ", but the call has L = ", L, " queries and S = ", S_all,
-                " keys", extra > 0 ? " (with add_bias_kv / add_zero_attn)" : "");
+                " keys",
+                extra > 0 ? " (with add_bias_kv / add_zero_attn)" : "");
     const auto& counts = block_mask.kv_num_blocks;
     TORCH_CHECK((counts.size(0) == 1 || counts.size(0) == N) &&
                     (counts.size(1) == 1 || counts.size(1) == H),

@@ -231,9 +231,9 @@ torch::Tensor TransformerEncoderLayerImpl::forward(
                                  src_key_padding_mask, is_causal, block_mask);
     x = x + feed_forward_block(norm2->forward(x));
   } else {
-    x = norm1->forward(
-        x + self_attention_block(x, src_mask, src_key_padding_mask, is_causal,
-                                 block_mask));
+    x = norm1->forward(x + self_attention_block(x, src_mask,
+                                                src_key_padding_mask, is_causal,
+                                                block_mask));
     x = norm2->forward(x + feed_forward_block(x));
   }
   return x;

@@ -190,6 +190,34 @@ std::vector<Case> default_cases() {
     c.is_causal = true;
     c.key_padding_mask = MaskKind::kBool;
   });
+  // FlexAttention (Case::flex): block masks against the masks they stand
+  // for, score mods against the float64 reference. Last, so that the rows
+  // above keep their seeds.
+  add_case("flex-block-causal", [](Case& c) {
+    c.self_attention = true;
+    c.tgt_len = 20;
+    c.flex = "block-causal";
+  });
+  add_case("flex-documents+padding", [](Case& c) {
+    c.self_attention = true;
+    c.tgt_len = 21;
+    c.flex = "documents";
+    c.key_padding_mask = MaskKind::kBool;
+    c.need_weights = false;
+  });
+  add_case("flex-softcap-causal", [](Case& c) {
+    c.self_attention = true;
+    c.tgt_len = 12;
+    c.is_causal = true;
+    c.flex = "softcap";
+  });
+  add_case("flex-alibi-causal-per-head", [](Case& c) {
+    c.self_attention = true;
+    c.tgt_len = 12;
+    c.is_causal = true;
+    c.flex = "alibi";
+    c.average_attn_weights = false;
+  });
   return cases;
 }
 

@@ -120,8 +120,17 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
             torch::ones({L, S}, blocked.options()).triu(1));
       }
       auto allowed = blocked.logical_not();
-      auto scores = torch::matmul(q_h, k_h.t()) / std::sqrt(double(D)) +
-                    additive;  // (L, S')
+      auto scores = torch::matmul(q_h, k_h.t()) / std::sqrt(double(D));
+      if (options.score_mod()) {
+        // FlexAttention's score_mod on the scaled scores, before the masks.
+        const auto index = f64.dtype(torch::kLong);
+        scores = options.score_mod()(
+            scores, torch::scalar_tensor(n, index),
+            torch::scalar_tensor(h, index),
+            torch::arange(L, index).unsqueeze(1),    // (L, 1)
+            torch::arange(S2, index).unsqueeze(0));  // (1, S')
+      }
+      scores = scores + additive;  // (L, S')
       // Softmax over the allowed keys only; a row with none gets weights 0.
       auto row_max = scores.detach()
                          .masked_fill(blocked, -kInf)

@@ -11,7 +11,9 @@
 #include <map>
 
 #include "case_tools.h"
+#include "mha/flex_attention.h"
 #include "mha/parity.h"
+#include "mha/positions.h"
 #include "mha/weights.h"
 
 namespace mha::parity {
@@ -255,7 +257,7 @@ Parts run_torch_nn(const Case& c,
   auto rk = c.self_attention ? rq : leaf(in.key, dtype);
   auto rv = c.self_attention ? rq : leaf(in.value, dtype);
   torch::Tensor attn = in.attn_mask;
-  if (c.is_causal) {
+  if (in.is_causal) {
     attn = plus_float_causal(attn, L, S, in.query.options());
     note = "is_causal passed to torch::nn as a float attn_mask";
   }
@@ -378,6 +380,21 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
                      .kdim(c.kdim)
                      .vdim(c.vdim)
                      .batch_first(c.batch_first);
+  // FlexAttention rows: the module's score_mod, or a block mask for the
+  // call (see Case::flex).
+  if (c.flex == "softcap") {
+    options.score_mod(
+        [](const torch::Tensor& s, const torch::Tensor&, const torch::Tensor&,
+           const torch::Tensor&,
+           const torch::Tensor&) { return 2.0 * torch::tanh(s / 2.0); });
+  } else if (c.flex == "alibi") {
+    options.score_mod([slopes = alibi_slopes(H)](
+                          const torch::Tensor& s, const torch::Tensor&,
+                          const torch::Tensor& h, const torch::Tensor& q,
+                          const torch::Tensor& kv) {
+      return s + slopes.index({h}) * (kv - q).to(s.scalar_type());
+    });
+  }
   MultiHeadAttention ours(options);
   {
     // Non-zero biases, so that a misplaced bias cannot hide.
@@ -406,6 +423,30 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   in.key = c.self_attention ? in.query : torch::randn({N, S, kdim}, on);
   in.value = c.self_attention ? in.query : torch::randn({N, S, vdim}, on);
   make_masks(c, N, H, L, S, dtype, device, in);
+  BlockMask block_mask;
+  if (c.flex == "block-causal") {
+    block_mask = create_block_mask(
+        [](const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q,
+           const torch::Tensor& kv) { return q.ge(kv); },
+        c10::nullopt, c10::nullopt, L, S, /*block_q=*/8);
+    in.is_causal = true;  // the references' equivalent
+  } else if (c.flex == "documents") {
+    TORCH_CHECK(L == S && L > 3, "parity case ", c.name,
+                ": documents need self-attention with L > 3");
+    const auto lengths =
+        torch::tensor({L / 3, L / 2 - L / 3, L - L / 2}, torch::kLong);
+    block_mask = create_document_block_mask(lengths, /*causal=*/true, 8);
+    // The references: the same documents as a float (L, S) attn_mask.
+    const auto doc = document_ids(lengths);
+    const auto i = torch::arange(L, torch::kLong);
+    auto allowed =
+        doc.unsqueeze(1)
+            .eq(doc.unsqueeze(0))
+            .logical_and(i.unsqueeze(1).ge(i.unsqueeze(0)));  // (L, S)
+    in.attn_mask = torch::zeros({L, S}, torch::kFloat64)
+                       .masked_fill(allowed.logical_not(), -kInf)
+                       .to(device, dtype);
+  }
   const bool fully_masked = has_fully_masked_row(c, in, N, H, L, S);
   const int64_t S2 = S + (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
   auto g_out = torch::randn({N, L, E}, on);
@@ -432,11 +473,15 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   if (kpm.defined() && c.unbatched) {
     kpm = kpm.squeeze(0);
   }
+  // A block mask stands for the references' is_causal or attn_mask.
+  const bool blocks = !block_mask.empty();
   auto [out_raw, w_raw] = ours->forward(
       to_case_layout(c, q),
       c.self_attention ? torch::Tensor() : to_case_layout(c, k),
       c.self_attention ? torch::Tensor() : to_case_layout(c, v), kpm,
-      c.need_weights, in.attn_mask, c.average_attn_weights, c.is_causal);
+      c.need_weights, blocks ? torch::Tensor() : in.attn_mask,
+      c.average_attn_weights, c.is_causal && !blocks, /*positions=*/{},
+      block_mask);
   Run mine{from_case_layout(c, out_raw),
            w_raw.defined() && c.unbatched ? w_raw.unsqueeze(0) : w_raw};
   loss_of(mine.output, mine.weights, dtype).backward();
@@ -483,9 +528,14 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   // report shows what it actually does (throws, differs, NaN).
   Parts nn_parts;
   std::string nn_threw;
-  nn_parts = run_reference(
-      [&] { return run_torch_nn(c, pristine, in, loss_of, result.note); },
-      nn_threw, result);
+  if (options.score_mod()) {
+    // torch::nn has no score_mod: float64 alone.
+    result.note = "score_mod: against the float64 reference";
+  } else {
+    nn_parts = run_reference(
+        [&] { return run_torch_nn(c, pristine, in, loss_of, result.note); },
+        nn_threw, result);
+  }
 
   judge(c, mine_parts, f64_parts, nn_parts, ref_diff, nn_threw, result);
   if (c.need_weights) {

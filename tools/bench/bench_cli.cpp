@@ -92,9 +92,8 @@ void add_options(CLI::App& app, Args& args) {
                  "forward and forward+backward, peak memory; only when "
                  "named), none; default: all but flex")
       ->delimiter(',')
-      ->check(CLI::IsMember(
-          {"projections", "window", "generation", "batched-decode", "flex",
-           "none"}));
+      ->check(CLI::IsMember({"projections", "window", "generation",
+                             "batched-decode", "flex", "none"}));
   app.add_option("--memory-child", args.memory_child_spec)->group("");
   app.add_flag("--plant-fault", args.plant_fault,
                "self-test: shift one bias of mha's and the SDPA contender's "

@@ -56,9 +56,8 @@ std::vector<FlexCase> flex_cases(int64_t L, int64_t H, int64_t window,
   windowed.window = window;
   detail::KeyPositions alibi(true);
   // (H, 2L - 1): slope · (j - i), the causal ALiBi bias per diagonal.
-  alibi.relative_bias =
-      slopes.unsqueeze(1) *
-      torch::arange(-(L - 1), L, torch::kFloat).unsqueeze(0);
+  alibi.relative_bias = slopes.unsqueeze(1) *
+                        torch::arange(-(L - 1), L, torch::kFloat).unsqueeze(0);
   const auto causal_mask =
       create_block_mask(causal(), c10::nullopt, c10::nullopt, L, L, block);
   MaskMod window_mod = [window](const torch::Tensor&, const torch::Tensor&,
@@ -93,8 +92,10 @@ std::vector<FlexCase> flex_cases(int64_t L, int64_t H, int64_t window,
 
 /// Random document lengths summing to L (seeded).
 torch::Tensor document_lengths(int64_t L, int64_t documents) {
-  auto cuts = std::get<0>(
-      torch::randperm(L - 1, torch::kLong).narrow(0, 0, documents - 1).add(1).sort());
+  auto cuts = std::get<0>(torch::randperm(L - 1, torch::kLong)
+                              .narrow(0, 0, documents - 1)
+                              .add(1)
+                              .sort());
   auto bounds = torch::cat({torch::zeros({1}, torch::kLong), cuts,
                             torch::full({1}, L, torch::kLong)});
   return bounds.narrow(0, 1, documents) - bounds.narrow(0, 0, documents);
@@ -115,12 +116,14 @@ nlohmann::json flex_table(bool quick, const Settings& settings) {
       "{} runs; fwd = forward without gradient, fwd+bwd = forward and "
       "backward of sum(output); density = visited blocks / all; ratio = flex "
       "/ built-in, or for rows without one flex / (density x built-in "
-      "causal)\n",
+      "causal) (documents, density relative to causal's) or flex / built-in "
+      "causal; max diff: |flex - built-in| of the forward outputs\n",
       H, D, c10::toString(settings.dtype), block, reps);
-  fmt::print("{:>6} {:<22} {:>7} {:>10} {:>10} {:>6} {:>10} {:>10} {:>6} {:>9} "
-             "{:>9}\n",
-             "L", "case", "density", "fwd ms", "builtin", "ratio", "f+b ms",
-             "builtin", "ratio", "peak MiB", "builtin");
+  fmt::print(
+      "{:>6} {:<22} {:>7} {:>10} {:>10} {:>6} {:>10} {:>10} {:>6} {:>9} "
+      "{:>9} {:>9}\n",
+      "L", "case", "density", "fwd ms", "builtin", "ratio", "f+b ms", "builtin",
+      "ratio", "peak MiB", "builtin", "max diff");
   auto json = nlohmann::json::array();
   const auto options = torch::TensorOptions().dtype(settings.dtype);
   for (const auto L : lengths) {
@@ -167,8 +170,12 @@ nlohmann::json flex_table(bool quick, const Settings& settings) {
       const double fwd = median(call(true, false));
       const double fb = median(call(true, true));
       const double peak = peak_mib(call(true, true));
-      double b_fwd = NAN, b_fb = NAN, b_peak = NAN;
+      double b_fwd = NAN, b_fb = NAN, b_peak = NAN, diff = NAN;
       if (c.builtin) {
+        // The two compute the same: their outputs agree to rounding.
+        const auto flex_out = call(true, false)()[0].second;
+        const auto builtin_out = call(false, false)()[0].second;
+        diff = (flex_out - builtin_out).abs().max().item<double>();
         b_fwd = median(call(false, false));
         b_fb = median(call(false, true));
         b_peak = peak_mib(call(false, true));
@@ -183,18 +190,18 @@ nlohmann::json flex_table(bool quick, const Settings& settings) {
       // causal call itself (soft-capping's).
       const bool documents = c.name.find("documents") != std::string::npos;
       const double ratio_fwd =
-          c.builtin ? fwd / b_fwd
+          c.builtin   ? fwd / b_fwd
           : documents ? fwd / (density / causal_density * causal_fwd)
                       : fwd / causal_fwd;
-      const double ratio_fb =
-          c.builtin ? fb / b_fb
-          : documents ? fb / (density / causal_density * causal_fb)
-                      : fb / causal_fb;
-      fmt::print("{:>6} {:<22} {:>7.3f} {:>10.2f} {:>10.2f} {:>6.2f} {:>10.2f} "
-                 "{:>10.2f} {:>6.2f} {:>9.1f} {:>9.1f}\n",
-                 L, c.name, density, fwd, c.builtin ? b_fwd : causal_fwd,
-                 ratio_fwd, fb, c.builtin ? b_fb : causal_fb, ratio_fb, peak,
-                 b_peak);
+      const double ratio_fb = c.builtin ? fb / b_fb
+                              : documents
+                                  ? fb / (density / causal_density * causal_fb)
+                                  : fb / causal_fb;
+      fmt::print(
+          "{:>6} {:<22} {:>7.3f} {:>10.2f} {:>10.2f} {:>6.2f} {:>10.2f} "
+          "{:>10.2f} {:>6.2f} {:>9.1f} {:>9.1f} {:>9.1e}\n",
+          L, c.name, density, fwd, c.builtin ? b_fwd : causal_fwd, ratio_fwd,
+          fb, c.builtin ? b_fb : causal_fb, ratio_fb, peak, b_peak, diff);
       std::fflush(stdout);
       json.push_back({{"L", L},
                       {"case", c.name},
@@ -206,6 +213,7 @@ nlohmann::json flex_table(bool quick, const Settings& settings) {
                       {"builtin_fwd_bwd_ms", c.builtin ? b_fb : -1.0},
                       {"builtin_peak_mib", c.builtin ? b_peak : -1.0},
                       {"ratio_fwd", ratio_fwd},
+                      {"max_abs_diff", c.builtin ? diff : -1.0},
                       {"ratio_fwd_bwd", ratio_fb}});
     }
   }
