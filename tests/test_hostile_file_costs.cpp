@@ -4,11 +4,13 @@
 // 1 MiB) at most 2 s of CPU. One test per kind of file, each built here:
 // MARKs nested millions deep, tuples nested millions deep, memo floods
 // (MEMOIZE, sparse LONG_BINPUT, BINGET), millions of pickle objects, a state
-// dict of 700k empty tensors. Each load runs in a forked child, whose peak
-// resident set (VmHWM, reset before the load) over its resident set before
-// the load is the memory it cost, and whose CPU time is the time; the child
-// ends with _exit, so the parent's state is untouched. A load must end in a
-// clean c10::Error naming the file, or in success, within the bounds.
+// dict of 700k empty tensors; safetensors headers of 300k tensors, of a
+// shape of 8 million dimensions, of 1.2 million metadata strings. Each load
+// runs in a forked child, whose peak resident set (VmHWM, reset before the
+// load) over its resident set before the load is the memory it cost, and
+// whose CPU time is the time; the child ends with _exit, so the parent's
+// state is untouched. A load must end in a clean c10::Error naming the
+// file, or in success, within the bounds.
 #include <gtest/gtest.h>
 #include <malloc.h>
 #include <sys/resource.h>
@@ -358,6 +360,59 @@ TEST_F(HostileFileCostTest, MillionsOfEmptyTensors) {
   p.op('u').op('.');
   expect_zip_bounded("tensor-flood", {{"data.pkl", p.bytes}, {"data/0", ""}},
                      "brings the memory this load holds");
+}
+
+/// A safetensors header of `n` float32 tensors of one element, "t000000"
+/// and on, and their data.
+std::string many_tensors_safetensors(size_t n) {
+  std::string header = "{";
+  char entry[128];
+  for (size_t i = 0; i < n; ++i) {
+    std::snprintf(entry, sizeof entry,
+                  "%s\"t%06zu\":{\"dtype\":\"F32\",\"shape\":[1],"
+                  "\"data_offsets\":[%zu,%zu]}",
+                  i == 0 ? "" : ",", i, 4 * i, 4 * i + 4);
+    header += entry;
+  }
+  header += "}";
+  return handmade::safetensors(header, std::string(4 * n, '\0'));
+}
+
+TEST_F(HostileFileCostTest, SafetensorsHeaders) {
+  // 300k tensors of one float each: 20 MB of header.
+  const std::string tensors = many_tensors_safetensors(300 * 1000);
+  const std::string many = file("many-tensors.safetensors", tensors);
+  expect_bounded(
+      "300k-tensor safetensors", many, tensors.size(),
+      [&] { mha::read_state_dict(many); }, "brings the memory this load holds");
+  // A shape of 8 million dimensions.
+  const std::string dims = handmade::safetensors(
+      R"({"a":{"dtype":"F32","shape":[)" + repeat("1,", 8 * kMillion) +
+          R"(1],"data_offsets":[0,4]}})",
+      std::string(4, '\0'));
+  const std::string shape = file("shape.safetensors", dims);
+  expect_bounded(
+      "8M-dimension shape safetensors", shape, dims.size(),
+      [&] { mha::read_state_dict(shape); },
+      "the value of 'a' holds more than 4096 JSON values");
+  // 1.2 million metadata strings before one tensor.
+  std::string header = R"({"__metadata__":{)";
+  char entry[32];
+  for (size_t i = 0; i < 1200 * 1000; ++i) {
+    std::snprintf(entry, sizeof entry, "%s\"k%07zu\":\"\"", i == 0 ? "" : ",",
+                  i);
+    header += entry;
+  }
+  header += R"(},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  const std::string bytes = handmade::safetensors(header, std::string(8, '\0'));
+  const std::string metadata = file("metadata.safetensors", bytes);
+  expect_bounded(
+      "metadata-flood safetensors", metadata, bytes.size(),
+      [&] {
+        const auto dict = mha::read_state_dict(metadata);
+        TORCH_CHECK(dict.size() == 1 && dict["a"].numel() == 2);
+      },
+      "");
 }
 
 }  // namespace
