@@ -5,12 +5,13 @@
 // MARKs nested millions deep, tuples nested millions deep, memo floods
 // (MEMOIZE, sparse LONG_BINPUT, BINGET), millions of pickle objects, a state
 // dict of 700k empty tensors; safetensors headers of 300k tensors, of a
-// shape of 8 million dimensions, of 1.2 million metadata strings. Each load
-// runs in a forked child, whose peak resident set (VmHWM, reset before the
-// load) over its resident set before the load is the memory it cost, and
-// whose CPU time is the time; the child ends with _exit, so the parent's
-// state is untouched. A load must end in a clean c10::Error naming the
-// file, or in success, within the bounds.
+// shape of 8 million dimensions, of 1.2 million metadata strings; and
+// through mha::hf, the 300k-tensor file as a checkpoint and an index of
+// 400k names. Each load runs in a forked child, whose peak resident set
+// (VmHWM, reset before the load) over its resident set before the load is
+// the memory it cost, and whose CPU time is the time; the child ends with
+// _exit, so the parent's state is untouched. A load must end in a clean
+// c10::Error naming the file, or in success, within the bounds.
 #include <gtest/gtest.h>
 #include <malloc.h>
 #include <sys/resource.h>
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "fixture_helpers.h"
+#include "mha/hf.h"
 #include "mha/mha.h"
 #include "state_dict_files.h"
 #include "test_helpers.h"
@@ -413,6 +415,45 @@ TEST_F(HostileFileCostTest, SafetensorsHeaders) {
         TORCH_CHECK(dict.size() == 1 && dict["a"].numel() == 2);
       },
       "");
+}
+
+TEST_F(HostileFileCostTest, HfCheckpoints) {
+  // mha::hf reads a model directory's checkpoint with the same readers: of
+  // the 300k-tensor file as model.safetensors it keeps only the layer's
+  // tensors (none: the file is refused for lacking them).
+  const std::string llama = fixtures::path("hf/llama");
+  const std::string many_dir = fixtures::temp_dir("hostile-hf-many");
+  fs::copy_file(llama + "/config.json", many_dir + "/config.json");
+  const std::string tensors = many_tensors_safetensors(300 * 1000);
+  const std::string many = many_dir + "/model.safetensors";
+  std::ofstream(many, std::ios::binary) << tensors;
+  expect_bounded(
+      "300k-tensor model.safetensors (mha::hf)", many, tensors.size(),
+      [&] { mha::hf::load_attention(many_dir, 1); },
+      ": no tensor 'layers.1.self_attn.q_proj.weight'");
+  // An index whose weight_map names 400k tensors the layer does not need
+  // besides the real ones: only the layer's are kept.
+  const std::string index_dir = fixtures::temp_dir("hostile-hf-index");
+  fs::copy_file(llama + "/config.json", index_dir + "/config.json");
+  fs::copy_file(llama + "/model.safetensors",
+                index_dir + "/model-00001.safetensors");
+  std::string index = R"({"metadata":{},"weight_map":{)";
+  for (const auto& item : mha::read_state_dict(llama + "/model.safetensors")) {
+    index += "\"" + item.key() + "\":\"model-00001.safetensors\",";
+  }
+  char entry[96];
+  for (size_t i = 0; i < 400 * 1000; ++i) {
+    std::snprintf(entry, sizeof entry,
+                  "%s\"model.layers.%zu.mlp.up.weight\":\"model-%05zu.st\"",
+                  i == 0 ? "" : ",", i + 100, i % 7);
+    index += entry;
+  }
+  index += "}}";
+  const std::string index_path = index_dir + "/model.safetensors.index.json";
+  std::ofstream(index_path, std::ios::binary) << index;
+  expect_bounded(
+      "400k-name index.json (mha::hf)", index_path, index.size(),
+      [&] { mha::hf::load_attention(index_dir, 1); }, "");
 }
 
 }  // namespace
