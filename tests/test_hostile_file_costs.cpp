@@ -456,4 +456,29 @@ TEST_F(HostileFileCostTest, HfCheckpoints) {
       [&] { mha::hf::load_attention(index_dir, 1); }, "");
 }
 
+TEST_F(HostileFileCostTest, ManySmallTensorsStillLoad) {
+  // Not hostile: 50,000 tensors of 16 floats under names of 36 characters,
+  // as save_state_dict writes them (PyTorch zip and safetensors), load
+  // whole, within the same bounds.
+  torch::OrderedDict<std::string, torch::Tensor> many;
+  char name[48];
+  for (int i = 0; i < 50000; ++i) {
+    std::snprintf(name, sizeof name, "model.layers.%05d.self_attn.q.weight", i);
+    many.insert(name, torch::full({4, 4}, static_cast<float>(i)));
+  }
+  for (const char* extension : {".pt", ".safetensors"}) {
+    const std::string p = path(std::string("many") + extension);
+    mha::write_state_dict(many, p);
+    expect_bounded(
+        std::string("50k small tensors, ") + extension, p, fs::file_size(p),
+        [&] {
+          const auto dict = mha::read_state_dict(p);
+          TORCH_CHECK(dict.size() == 50000 &&
+                      dict["model.layers.49999.self_attn.q.weight"].equal(
+                          torch::full({4, 4}, 49999.f)));
+        },
+        "");
+  }
+}
+
 }  // namespace

@@ -264,17 +264,30 @@ StateDictUnpickler::Id StateDictUnpickler::rebuild_tensor(
          std::to_string(storage_bytes_) +
          " bytes of their storages (an expanded view of a small storage?)");
   }
-  if (!budget_.try_charge(kTensorOverheadBytes) || !budget_.try_charge(bytes)) {
+  // The first view of a storage that covers it whole and contiguous takes
+  // the storage itself (the storage object goes with the machine, so that
+  // the tensor alone holds it, as it would hold a copy); any other view is
+  // copied out.
+  const torch::Tensor view = data.as_strided(sizes, strides, offset);
+  const bool whole = !storage.taken && offset == 0 && numel == storage_numel &&
+                     view.is_contiguous();
+  if (!budget_.try_charge(whole ? kTensorOverheadBytes / 2
+                                : kTensorOverheadBytes) ||
+      (!whole && !budget_.try_charge(bytes))) {
     fail(budget_.exceeded("a tensor of size " +
                           c10::str(c10::IntArrayRef(sizes)) + " (" +
                           std::to_string(numel) + " " +
                           storage.dtype->torch_name + " elements)"));
   }
+  objects_[args[0]].taken = objects_[args[0]].taken || whole;
   Object o;
   o.kind = Kind::kTensor;
   o.size = static_cast<uint32_t>(tensors_.size());
-  tensors_.push_back(data.as_strided(sizes, strides, offset)
-                         .clone(at::MemoryFormat::Contiguous));
+  // (A plain tensor on the storage, not a view of the storage's tensor;
+  // with a copy's contiguous strides.)
+  tensors_.push_back(
+      whole ? torch::empty({0}, data.options()).set_(data.storage(), 0, sizes)
+            : view.clone(at::MemoryFormat::Contiguous));
   return push(o);
 }
 

@@ -78,7 +78,8 @@ class StateDictUnpickler {
   struct Object {
     Kind kind = Kind::kNone;
     Global global = Global::kOrderedDict;  // kGlobal
-    bool cuda = false;  // kGlobal kStorageType: named torch.cuda.<Type>Storage
+    bool cuda = false;   // kGlobal kStorageType: named torch.cuda.<Type>Storage
+    bool taken = false;  // kStorage: a tensor holds it as its own
     /// kString: its bytes; kTuple, kList, kDict: its items (a dict's keys
     /// and values); kStorage, kTensor: its index in tensors_.
     uint32_t size = 0;

@@ -166,8 +166,8 @@ uint64_t heap_bytes(const std::string& s) {
 }
 
 /// The header read member by member (json_members.h): each tensor's entry
-/// checked as soon as it is complete and charged to the budget with what
-/// its tensor will hold; __metadata__'s strings checked one by one.
+/// checked as soon as it is complete and charged to the budget;
+/// __metadata__'s strings checked one by one.
 class HeaderReader : public JsonMemberVisitor {
  public:
   HeaderReader(const std::string& where, uint64_t data_size,
@@ -194,18 +194,11 @@ class HeaderReader : public JsonMemberVisitor {
     SafetensorsEntry entry =
         parse_safetensors_entry(where_, key, value, data_size_);
     entry.kept = !keep_ || keep_(entry.name);
-    // The entry, its place in the orders of names and offsets; its tensor,
-    // its dict entry and data when it is read (a bool tensor's bytes twice:
-    // read as bytes, then compared with 0).
-    uint64_t bytes = sizeof(SafetensorsEntry) + heap_bytes(entry.name) +
-                     entry.shape.size() * sizeof(int64_t) + 16 +
-                     sizeof(uint32_t) + sizeof(void*);
-    if (entry.kept) {
-      const uint64_t data = entry.end - entry.begin;
-      bytes += kTensorOverheadBytes + kDictEntryBytes +
-               2 * heap_bytes(entry.name) +
-               (entry.dtype->dtype == torch::kBool ? 2 * data : data);
-    }
+    // The entry and its place in the orders of names and offsets; what its
+    // tensor holds is charged once the header is gone (read_safetensors).
+    const uint64_t bytes = sizeof(SafetensorsEntry) + heap_bytes(entry.name) +
+                           entry.shape.size() * sizeof(int64_t) + 16 +
+                           sizeof(uint32_t) + sizeof(void*);
     if (!budget_.try_charge(bytes)) {
       budget_.refuse("tensor '" + printable(entry.name) + "'");
     }
@@ -338,6 +331,24 @@ StateDict read_safetensors(const std::string& path, std::ifstream& in,
   TORCH_CHECK(covered == data_size, where, ": the tensors cover ", covered,
               " bytes, but the data section holds ", data_size,
               " (the rest is not indexed by any tensor)");
+
+  // What the tensors read will hold: LibTorch's tensor, the dict's entry
+  // with the name twice, the data (a bool tensor's twice: read as bytes,
+  // then compared with 0). The data lie in the file without overlaps: no
+  // overflow.
+  uint64_t result_bytes = 0;
+  uint64_t kept = 0;
+  for (const auto* entry : entries) {
+    if (entry->kept) {
+      const uint64_t data = entry->end - entry->begin;
+      result_bytes += kTensorOverheadBytes + kDictEntryBytes +
+                      2 * heap_bytes(entry->name) +
+                      (entry->dtype->dtype == torch::kBool ? 2 * data : data);
+      ++kept;
+    }
+  }
+  budget.charge(result_bytes,
+                "reading its " + std::to_string(kept) + " tensors");
 
   StateDict result;
   for (const auto* entry : entries) {
