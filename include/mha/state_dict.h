@@ -28,7 +28,10 @@
 // safetensors and PyTorch file written on common hardware); mha builds only
 // on little-endian machines.
 //
-// Every error is a c10::Error whose message names the file.
+// Every error is a c10::Error whose message names the file. Reading a file
+// holds at most 64 MiB + 4 times its size of memory; a file that would need
+// more (a hostile one: millions of objects or tensors in a few megabytes)
+// is refused with such an error (docs/reliability.md).
 #pragma once
 
 #include <torch/torch.h>

@@ -3,19 +3,23 @@
 // (src/io/safetensors.h, src/io/pytorch_format.h). Single files or shards named
 // by an index's weight_map; only the shards that hold a wanted tensor are
 // opened, and of a safetensors file only the wanted tensors' data is read.
+// An index is read member by member (src/io/json_members.h), its wanted
+// entries kept, within the memory budget of a state-dict file of its size.
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "hf_internal.h"
+#include "io/json_members.h"
 #include "io/pytorch_format.h"
 #include "io/safetensors.h"
 #include "io/tensor_file.h"
@@ -57,35 +61,89 @@ StateDict read_file(const fs::path& path,
   return out;
 }
 
-/// weight_map of a sharded checkpoint's index: tensor name -> shard file.
-std::map<std::string, std::string> weight_map(const fs::path& index) {
-  std::ifstream in(index);
-  TORCH_CHECK(in.is_open(), "mha::hf: cannot open '", index.string(), "'");
-  std::stringstream text;
-  text << in.rdbuf();
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(text.str());
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, index.string(), ": not valid JSON: ", e.what());
+/// The index read member by member (json_members.h): weight_map's entries
+/// checked one by one, the wanted ones kept.
+class IndexReader : public mha::detail::JsonMemberVisitor {
+ public:
+  IndexReader(const std::string& where, mha::detail::MemoryBudget& budget,
+              const std::function<bool(const std::string&)>& wanted)
+      : where_(where), budget_(budget), wanted_(wanted) {}
+
+  /// The wanted entries: tensor name -> shard file.
+  std::map<std::string, std::string> shards;
+  bool has_weight_map = false;
+
+  bool streamed(const std::string& key) const override {
+    return key == "weight_map";
   }
-  TORCH_CHECK(json.is_object() && json.contains("weight_map") &&
-                  json["weight_map"].is_object(),
-              index.string(),
-              ": expected an object with a weight_map {tensor: shard file}");
-  std::map<std::string, std::string> out;
-  for (auto it = json["weight_map"].begin(); it != json["weight_map"].end();
-       ++it) {
-    TORCH_CHECK(it.value().is_string(), index.string(), ": weight_map['",
-                it.key(), "'] must be a file name, got ", it.value().dump());
-    const std::string file = it.value().get<std::string>();
+  void member(std::string& key, nlohmann::json&) override {
+    // weight_map reaches here only when it is not an object.
+    TORCH_CHECK(key != "weight_map", where_,
+                ": expected an object with a weight_map {tensor: shard file}");
+  }
+  void begin_streamed(const std::string&) override { has_weight_map = true; }
+  void inner(const std::string&, std::string& key,
+             nlohmann::json& value) override {
+    TORCH_CHECK(value.is_string(), where_, ": weight_map['", key,
+                "'] must be a file name, got ", value.dump());
+    std::string& file = value.get_ref<std::string&>();
     TORCH_CHECK(
         file.find('/') == std::string::npos && file != ".." && !file.empty(),
-        index.string(), ": weight_map['", it.key(),
+        where_, ": weight_map['", key,
         "'] must name a file in the model directory, got '", file, "'");
-    out[it.key()] = file;
+    if (wanted_(key)) {
+      // A std::map node and the two strings.
+      if (!budget_.try_charge(96 + 2 * (key.size() + file.size()))) {
+        budget_.refuse("weight_map['" + mha::detail::printable(key) + "']");
+      }
+      shards[std::move(key)] = std::move(file);
+    }
   }
-  return out;
+  [[noreturn]] void too_large(const std::string& outer,
+                              const std::string& key) override {
+    TORCH_CHECK(false, where_, ": the value of '", mha::detail::printable(key),
+                "'", outer.empty() ? "" : " (in '" + outer + "')",
+                " holds more than ", kMaxValues, " JSON values");
+  }
+  [[noreturn]] void invalid(const std::exception& e) override {
+    TORCH_CHECK(false, where_, ": not valid JSON: ", e.what());
+  }
+
+  /// The most JSON values one member's value may hold (an index's metadata
+  /// holds one, total_size).
+  static constexpr size_t kMaxValues = 4096;
+
+ private:
+  const std::string& where_;
+  mha::detail::MemoryBudget& budget_;
+  const std::function<bool(const std::string&)>& wanted_;
+};
+
+/// The wanted entries of weight_map of a sharded checkpoint's index: tensor
+/// name -> shard file. The index is read within the memory budget of a
+/// state-dict file of its size.
+std::map<std::string, std::string> weight_map(
+    const fs::path& index,
+    const std::function<bool(const std::string&)>& wanted) {
+  const std::string where = index.string();
+  std::ifstream in(where, std::ios::binary);
+  TORCH_CHECK(in.is_open(), "mha::hf: cannot open '", where, "'");
+  std::error_code error;
+  const uint64_t size = fs::file_size(index, error);
+  TORCH_CHECK(!error, where, ": cannot get the file size: ", error.message());
+  mha::detail::MemoryBudget budget(size, where);
+  // The text and, while it is parsed, one token twice (the parser's raw and
+  // decoded copies, or the value the decoded one went to).
+  budget.charge(3 * size, "the text of " + std::to_string(size) + " bytes");
+  std::string text(size, '\0');
+  mha::detail::read_exact(in, 0, &text[0], size, where, "the index");
+  IndexReader reader(where, budget, wanted);
+  std::string type;
+  const bool object = mha::detail::read_json_members(
+      text, reader, IndexReader::kMaxValues, &type);
+  TORCH_CHECK(object && reader.has_weight_map, where,
+              ": expected an object with a weight_map {tensor: shard file}");
+  return std::move(reader.shards);
 }
 
 }  // namespace
@@ -111,10 +169,8 @@ LayerTensors read_checkpoint(
     if (is_file(dir / index)) {
       out.source = (dir / index).string();
       std::map<std::string, std::set<std::string>> by_shard;
-      for (const auto& [name, shard] : weight_map(dir / index)) {
-        if (wanted(name)) {
-          by_shard[shard].insert(name);
-        }
+      for (const auto& [name, shard] : weight_map(dir / index, wanted)) {
+        by_shard[shard].insert(name);
       }
       for (const auto& [shard, names] : by_shard) {
         TORCH_CHECK(is_file(dir / shard), out.source, ": names the shard '",

@@ -6,11 +6,13 @@
 // format); a "shape" is a tensor's sizes, each >= 0.
 #include "io/tensor_file.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mha::detail {
@@ -135,6 +137,43 @@ void read_exact(std::ifstream& in, uint64_t offset, void* dst, uint64_t n,
   TORCH_CHECK(in.good() && static_cast<uint64_t>(in.gcount()) == n, where,
               ": cannot read ", what, " (", n, " bytes at offset ", offset,
               ")");
+}
+
+MemoryBudget::MemoryBudget(uint64_t file_size, std::string where)
+    : where_(std::move(where)), file_size_(file_size) {
+  constexpr uint64_t kBaseBytes = uint64_t{32} << 20;
+  constexpr uint64_t kBytesPerFileByte = 4;
+  uint64_t scaled = 0;
+  if (!checked_mul(file_size, kBytesPerFileByte, &scaled) ||
+      !checked_add(scaled, kBaseBytes, &limit_)) {
+    limit_ = std::numeric_limits<uint64_t>::max();
+  }
+}
+
+bool MemoryBudget::try_charge(uint64_t bytes) {
+  if (bytes > limit_ - used_) {
+    return false;
+  }
+  used_ += bytes;
+  return true;
+}
+
+void MemoryBudget::charge(uint64_t bytes, const std::string& what) {
+  if (!try_charge(bytes)) {
+    refuse(what);
+  }
+}
+
+void MemoryBudget::refuse(const std::string& what) const {
+  TORCH_CHECK(false, where_, ": ", exceeded(what));
+}
+
+void MemoryBudget::release(uint64_t bytes) { used_ -= std::min(bytes, used_); }
+
+std::string MemoryBudget::exceeded(const std::string& what) const {
+  return what + " brings the memory this load holds past its budget of " +
+         std::to_string(limit_) + " bytes (32 MiB + 4 times the file's " +
+         std::to_string(file_size_) + " bytes); refused (a hostile file?)";
 }
 
 torch::Tensor tensor_from_bytes(const DtypeName& d,

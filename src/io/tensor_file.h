@@ -1,7 +1,7 @@
 // Internal, the bottom layer of state-dict I/O: what the safetensors and
 // PyTorch formats share (the dtype table, overflow-checked arithmetic,
-// printable text, exact reads, tensors from raw bytes). Depends on LibTorch
-// only. Not installed.
+// printable text, exact reads, tensors from raw bytes, the memory budget of
+// one load). Depends on LibTorch only. Not installed.
 #pragma once
 
 #include <torch/torch.h>
@@ -77,5 +77,55 @@ void read_exact(std::ifstream& in, uint64_t offset, void* dst, uint64_t n,
 torch::Tensor tensor_from_bytes(const DtypeName& d,
                                 const std::vector<int64_t>& shape,
                                 const std::function<void(void*)>& fill);
+
+/// What one tensor of a loaded state dict holds beyond its data, for the
+/// memory budget: LibTorch's TensorImpl and StorageImpl with their
+/// allocations and the dict's entry (item, index node and bucket), rounded
+/// up (measured: 360 to 442 bytes with LibTorch 1.13, glibc 2.36).
+constexpr uint64_t kTensorOverheadBytes = 512;
+
+/// What one entry of a loaded state dict holds beyond its tensor and the two
+/// copies of its name (torch::OrderedDict's item and index node, a bucket,
+/// the vector of items up to 3 times while it doubles), for the memory
+/// budget (measured: 118 bytes with a name of 7 characters).
+constexpr uint64_t kDictEntryBytes = 256;
+
+/// The memory one load of a state-dict file may hold: 32 MiB + 4 times the
+/// file's size. Each reader charges what it allocates from the file's
+/// contents before it allocates it (the header, records, storages, tensor
+/// copies, its own working memory) and releases what it frees; a charge past
+/// the budget refuses the file. What is not charged (fixed costs, malloc's
+/// own overhead beyond the charged estimates) stays within the other 32 MiB
+/// of the documented bound, 64 MiB + 4 times the file's size
+/// (docs/reliability.md).
+class MemoryBudget {
+ public:
+  /// The budget of a file of `file_size` bytes; `where` names it.
+  MemoryBudget(uint64_t file_size, std::string where);
+
+  /// Adds `bytes` to the memory held; false (and nothing added) when that
+  /// would exceed the budget.
+  [[nodiscard]] bool try_charge(uint64_t bytes);
+  /// try_charge, refusing the file (refuse(what)) when it fails.
+  void charge(uint64_t bytes, const std::string& what);
+  /// Throws the c10::Error of a failed charge: "<where>: <what> brings the
+  /// memory ...".
+  [[noreturn]] void refuse(const std::string& what) const;
+  /// Takes `bytes` (charged before) off the memory held.
+  void release(uint64_t bytes);
+
+  /// "<what> brings the memory this load holds past ..." (without `where`):
+  /// the message of a failed charge.
+  std::string exceeded(const std::string& what) const;
+  const std::string& where() const { return where_; }
+  uint64_t used() const { return used_; }
+  uint64_t limit() const { return limit_; }
+
+ private:
+  std::string where_;
+  uint64_t file_size_;
+  uint64_t limit_;
+  uint64_t used_ = 0;
+};
 
 }  // namespace mha::detail

@@ -46,6 +46,14 @@ auto with_context(const std::string& where, const char* what, F&& f)
   }
 }
 
+/// What check_central_directory finds.
+struct CentralDirectory {
+  uint64_t budget;          // bytes the records may fill in total
+  uint64_t bytes;           // of the directory
+  uint64_t entries;         // records
+  uint64_t largest_record;  // the largest size a record states
+};
+
 uint64_t le(const unsigned char* p, int n) {
   uint64_t value = 0;
   for (int i = n; i-- > 0;) {
@@ -60,9 +68,10 @@ uint64_t le(const unsigned char* p, int n) {
 /// archive's size each (torch.save stores records uncompressed, so a record
 /// is never larger than its archive) and at most kMaxRecordBytesPerByte
 /// times it together (a compressed archive may expand a little, a zip bomb
-/// may not). Returns the budget of bytes the records may fill in total.
-uint64_t check_central_directory(std::ifstream& in, uint64_t archive_size,
-                                 const std::string& where) {
+/// may not).
+CentralDirectory check_central_directory(std::ifstream& in,
+                                         uint64_t archive_size,
+                                         const std::string& where) {
   constexpr uint64_t kEocdSize = 22;
   constexpr uint64_t kMaxComment = 65535;
   TORCH_CHECK(archive_size >= kEocdSize, where, ": the archive has ",
@@ -127,6 +136,7 @@ uint64_t check_central_directory(std::ifstream& in, uint64_t archive_size,
   constexpr uint64_t kMaxRecordBytesPerByte = 4;
   const uint64_t budget = kMaxRecordBytesPerByte * archive_size;
   uint64_t total = 0;
+  uint64_t largest = 0;
   uint64_t at = 0;
   for (uint64_t e = 0; e < entries; ++e) {
     TORCH_CHECK(directory_size - at >= kEntrySize &&
@@ -165,13 +175,14 @@ uint64_t check_central_directory(std::ifstream& in, uint64_t archive_size,
                 " bytes, larger than the whole archive (", archive_size,
                 " bytes); refused before allocating it");
     total += stated;  // at most 5 times archive_size here: no overflow
+    largest = std::max(largest, stated);
     TORCH_CHECK(total <= budget, where, ": the records state ", total,
                 " bytes or more in total, over ", kMaxRecordBytesPerByte,
                 " times the archive's ", archive_size,
                 " bytes (a zip bomb?); refused before allocating them");
     at += entry_size;
   }
-  return budget;
+  return {budget, directory_size, entries, largest};
 }
 
 }  // namespace
@@ -186,7 +197,13 @@ ZipArchiveReader::ZipArchiveReader(const std::string& path, std::string where)
                 ": cannot get the file size: ", error.message());
     std::ifstream in(path, std::ios::binary);
     TORCH_CHECK(in.is_open(), where_, ": cannot open the file for reading");
-    budget_ = check_central_directory(in, archive_size, where_);
+    const CentralDirectory directory =
+        check_central_directory(in, archive_size, where_);
+    size_ = archive_size;
+    budget_ = directory.budget;
+    // miniz's copy of the directory, and its two arrays of 4-byte offsets.
+    index_bytes_ = directory.bytes + 8 * directory.entries;
+    largest_record_ = directory.largest_record;
   }
   reader_ = with_context(where_, "not a readable PyTorch zip archive", [&] {
     return std::make_unique<PyTorchStreamReader>(path);

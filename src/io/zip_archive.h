@@ -22,7 +22,10 @@ namespace mha::detail {
 /// reader's included, is one c10::Error that starts with `where`. Memory is
 /// bounded by the file's size: a record that states more bytes than the
 /// archive holds is refused before anything is allocated, and all records
-/// read together stay under 4 times the archive's size.
+/// read together stay under 4 times the archive's size. What the archive
+/// holds open (index_bytes()) and the largest record it may read
+/// (largest_record()) are known before any record is read, for the load's
+/// MemoryBudget.
 class ZipArchiveReader {
  public:
   /// Opens the archive `path` and checks what torch.save writes: the byte
@@ -40,8 +43,19 @@ class ZipArchiveReader {
   /// read so far would exceed the budget of 4 times the archive's size.
   std::tuple<at::DataPtr, size_t> record(const std::string& name);
 
+  /// The archive's size in bytes.
+  uint64_t size() const { return size_; }
+  /// What LibTorch's zip reader holds while the archive is open: its copy
+  /// of the central directory and two offsets per record.
+  uint64_t index_bytes() const { return index_bytes_; }
+  /// The largest size a record states.
+  uint64_t largest_record() const { return largest_record_; }
+
  private:
   std::string where_;
+  uint64_t size_ = 0;
+  uint64_t index_bytes_ = 0;
+  uint64_t largest_record_ = 0;
   uint64_t budget_ = 0;  // bytes all records may fill together
   uint64_t read_ = 0;    // bytes read so far
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader_;
