@@ -184,7 +184,8 @@ BlockedForward batched_forward(const torch::Tensor& q, const torch::Tensor& k,
                       });
   const auto p4 = p.view({N, H, L, S});
   BlockedForward result{out.view({N, H, L, Dv}), torch::Tensor(),
-                        spec.keep_weights ? p4 : torch::Tensor()};
+                        spec.keep_weights ? p4 : torch::Tensor(),
+                        torch::Tensor()};
   if (spec.weights == WeightsMode::kPerHead) {
     result.weights = spec.keep_weights ? p4.clone() : p4;
   } else if (spec.weights == WeightsMode::kAverage) {
