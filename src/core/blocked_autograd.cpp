@@ -162,8 +162,7 @@ class FlexAttentionFunction
  public:
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
-      const torch::Tensor& k, const torch::Tensor& v,
-      const torch::autograd::variable_list& captured,
+      const torch::Tensor& k, const torch::Tensor& v, at::TensorList captured,
       const BlockedSpec& spec) {
     ctx->save_for_backward({q, k, v});
     ctx->saved_data["captured"] = static_cast<int64_t>(captured.size());
@@ -289,7 +288,10 @@ torch::autograd::variable_list apply_blocked(const torch::Tensor& q,
                                              const BlockedSpec& spec,
                                              const torch::Tensor& packed) {
   if (spec.flex != nullptr) {
-    return FlexAttentionFunction::apply(q, k, v, spec.flex->captured, spec);
+    // As a TensorList, each captured tensor is an input of its own (LibTorch
+    // 1.13 counts a std::vector<Tensor> argument as one non-tensor input).
+    return FlexAttentionFunction::apply(
+        q, k, v, at::TensorList(spec.flex->captured), spec);
   }
   const auto base = packed_base(packed, q, k, v);
   if (!base.defined()) {
