@@ -183,6 +183,90 @@ TEST(TrainDataTest, CharBatchesAreShiftedWindows) {
   EXPECT_TRUE(torch::equal(input, again));
 }
 
+// Packed documents: rows filled exactly, each document a span of the text
+// (here the text is 0, 1, 2, ... so a span counts up by one), positions
+// restarting at 0, targets the next character within the document only;
+// the padded layout holds the same documents one per row.
+TEST(TrainDataTest, PackedDocumentsFillRowsAndPadToTheSameDocuments) {
+  auto data = torch::arange(500, torch::kInt64);
+  const int64_t N = 6, T = 32, min_len = 4, max_len = 20;
+  const auto batch =
+      train::sample_packed_char_batch(data, N, T, min_len, max_len, /*seed=*/7);
+  ASSERT_EQ(batch.input.sizes(), (std::vector<int64_t>{N, T}));
+  ASSERT_EQ(batch.target.sizes(), (std::vector<int64_t>{N, T}));
+  ASSERT_EQ(batch.positions.sizes(), (std::vector<int64_t>{N, T}));
+  ASSERT_EQ(static_cast<int64_t>(batch.lengths.size()), N);
+  int64_t documents = 0;
+  for (int64_t row = 0; row < N; ++row) {
+    const auto lengths = batch.lengths[row];
+    EXPECT_EQ(lengths.sum().item<int64_t>(), T) << "row " << row;
+    const int64_t docs = lengths.numel();
+    documents += docs;
+    EXPECT_GE(docs, 2) << "row " << row;  // max_len < T
+    int64_t start = 0;
+    for (int64_t d = 0; d < docs; ++d) {
+      const int64_t length = lengths[d].item<int64_t>();
+      EXPECT_LE(length, max_len);
+      if (d + 1 < docs) {
+        EXPECT_GE(length, min_len);  // only the last may be cut shorter
+      }
+      auto input = batch.input[row].narrow(0, start, length);
+      auto target = batch.target[row].narrow(0, start, length);
+      auto positions = batch.positions[row].narrow(0, start, length);
+      EXPECT_TRUE(torch::equal(positions, torch::arange(length)));
+      EXPECT_TRUE(torch::equal(input, input[0] + torch::arange(length)));
+      EXPECT_TRUE(torch::equal(target.narrow(0, 0, length - 1),
+                               input.narrow(0, 1, length - 1)));
+      EXPECT_EQ(target[length - 1].item<int64_t>(), train::kIgnoreIndex);
+      start += length;
+    }
+  }
+  EXPECT_EQ(batch.documents(), documents);
+  EXPECT_EQ(batch.predicted(), N * T - documents);
+  EXPECT_EQ((batch.target != train::kIgnoreIndex).sum().item<int64_t>(),
+            batch.predicted());
+
+  const auto again =
+      train::sample_packed_char_batch(data, N, T, min_len, max_len, 7);
+  EXPECT_TRUE(torch::equal(again.input, batch.input));
+  const auto other =
+      train::sample_packed_char_batch(data, N, T, min_len, max_len, 8);
+  EXPECT_FALSE(torch::equal(other.input, batch.input));
+
+  const auto shard = batch.rows(2, 3);
+  EXPECT_TRUE(torch::equal(shard.input, batch.input.narrow(0, 2, 3)));
+  ASSERT_EQ(shard.lengths.size(), 3u);
+  EXPECT_TRUE(torch::equal(shard.lengths[0], batch.lengths[2]));
+
+  const auto padded = train::pad_documents(batch);
+  ASSERT_EQ(padded.input.size(0), documents);
+  int64_t d = 0, longest = 0;
+  for (int64_t row = 0; row < N; ++row) {
+    int64_t start = 0;
+    for (int64_t i = 0; i < batch.lengths[row].numel(); ++i, ++d) {
+      const int64_t length = batch.lengths[row][i].item<int64_t>();
+      longest = std::max(longest, length);
+      EXPECT_TRUE(torch::equal(padded.input[d].narrow(0, 0, length),
+                               batch.input[row].narrow(0, start, length)));
+      EXPECT_TRUE(torch::equal(padded.target[d].narrow(0, 0, length),
+                               batch.target[row].narrow(0, start, length)));
+      EXPECT_FALSE(padded.padding[d].narrow(0, 0, length).any().item<bool>());
+      EXPECT_TRUE(padded.padding[d]
+                      .narrow(0, length, padded.input.size(1) - length)
+                      .all()
+                      .item<bool>());
+      start += length;
+    }
+  }
+  EXPECT_EQ(padded.input.size(1), longest);
+  EXPECT_EQ((padded.target != train::kIgnoreIndex).sum().item<int64_t>(),
+            batch.predicted());
+  EXPECT_THROW_MSG(train::sample_packed_char_batch(data, N, T, 0, 8, 7),
+                   "1 <= min_len <= max_len <= context = 32");
+  EXPECT_THROW_MSG(train::sample_packed_char_batch(data, N, T, 4, 33, 7),
+                   "max_len 33");
+}
+
 // ---------------------------------------------------------------- models ---
 
 TEST(TrainModelTest, CharLMTiesItsHeadAndIsCausal) {
