@@ -304,6 +304,107 @@ TEST(TrainModelTest, CharLMTiesItsHeadAndIsCausal) {
                    "T <= block_size = 8, but got [1, 9]");
 }
 
+// The strongest check that nothing leaks across documents: a packed batch
+// (causal document mask, positions restarting per document) gives every
+// document the logits, and so the loss, it gets alone, one document at a
+// time; and the padded layout the same. Rotary and learned positions, blocks
+// smaller than, equal to and larger than the rows.
+TEST(TrainModelTest, PackedBatchLossEqualsTheDocumentsLossesAlone) {
+  const int64_t V = 11, T = 32, N = 5;
+  auto data = torch::randint(V, {400}, torch::kInt64);
+  const auto batch =
+      train::sample_packed_char_batch(data, N, T, /*min_len=*/3,
+                                      /*max_len=*/T, /*seed=*/11);
+  for (const bool rotary : {true, false}) {
+    torch::manual_seed(0);
+    train::CharLM lm(train::CharLMOptions(V, T)
+                         .n_embd(32)
+                         .n_head(2)
+                         .n_layer(2)
+                         .dropout(0.0)
+                         .rotary(rotary));
+    // One document at a time: the summed loss of its targets, its logits.
+    double alone_sum = 0.0;
+    std::vector<torch::Tensor> alone_logits;
+    for (int64_t row = 0; row < N; ++row) {
+      int64_t start = 0;
+      for (int64_t i = 0; i < batch.lengths[row].numel(); ++i) {
+        const int64_t length = batch.lengths[row][i].item<int64_t>();
+        auto document = batch.input[row].narrow(0, start, length);
+        auto logits = lm(document.unsqueeze(0)).squeeze(0);  // (length, V)
+        alone_logits.push_back(logits);
+        if (length > 1) {
+          alone_sum +=
+              torch::nn::functional::cross_entropy(
+                  logits.narrow(0, 0, length - 1),
+                  document.narrow(0, 1, length - 1),
+                  torch::nn::functional::CrossEntropyFuncOptions().reduction(
+                      torch::kSum))
+                  .item<double>();
+        }
+        start += length;
+      }
+    }
+    const double alone_mean =
+        alone_sum / static_cast<double>(batch.predicted());
+    for (const int64_t block : {8, 32, 64}) {
+      SCOPED_TRACE("rotary " + std::to_string(rotary) + ", block " +
+                   std::to_string(block));
+      const auto mask =
+          train::packed_documents_block_mask(batch.lengths, block);
+      EXPECT_EQ(mask.kv_num_blocks.size(0), N);
+      auto packed = lm->forward(batch.input, batch.positions, mask);  // (N,T,V)
+      const double packed_mean =
+          train::masked_cross_entropy(packed, batch.target).item<double>();
+      EXPECT_NEAR(packed_mean, alone_mean, 1e-5 * alone_mean);
+      int64_t d = 0;
+      for (int64_t row = 0; row < N; ++row) {
+        int64_t start = 0;
+        for (int64_t i = 0; i < batch.lengths[row].numel(); ++i, ++d) {
+          const int64_t length = batch.lengths[row][i].item<int64_t>();
+          expect_close(packed[row].narrow(0, start, length), alone_logits[d],
+                       2e-5, 1e-5, "row " + std::to_string(row));
+          start += length;
+        }
+      }
+    }
+    const auto padded = train::pad_documents(batch);
+    auto padded_logits =
+        lm->forward(padded.input, {}, {}, padded.padding);  // (D, L, V)
+    EXPECT_NEAR(train::masked_cross_entropy(padded_logits, padded.target)
+                    .item<double>(),
+                alone_mean, 1e-5 * alone_mean);
+  }
+}
+
+TEST(TrainModelTest, PackedDocumentsBlockMaskIsPerRowAndCausal) {
+  const std::vector<torch::Tensor> rows = {torch::tensor({3, 5}),
+                                           torch::tensor({8})};
+  const auto mask = train::packed_documents_block_mask(rows, /*block=*/4);
+  ASSERT_EQ(mask.q_len, 8);
+  ASSERT_EQ(mask.kv_num_blocks.sizes(), (std::vector<int64_t>{2, 1, 2}));
+  // Row 0: query block 1 (tokens 4-7, document 1 from token 3) sees key
+  // blocks 0 and 1; row 1 (one document): block 1 sees block 0 whole.
+  auto dense = mask.to_dense();
+  EXPECT_TRUE(dense[0][0][1][0].item<bool>());
+  EXPECT_FALSE(dense[0][0][0][1].item<bool>());
+  EXPECT_EQ(mask.full_kv_num_blocks[1][0][1].item<int32_t>(), 1);
+  const auto index = torch::TensorOptions().dtype(torch::kLong);
+  auto q = torch::arange(8, index).unsqueeze(1);
+  auto kv = torch::arange(8, index).unsqueeze(0);
+  auto row0 = mask.mask_mod(torch::scalar_tensor(0, index),
+                            torch::scalar_tensor(0, index), q, kv);
+  auto row1 = mask.mask_mod(torch::scalar_tensor(1, index),
+                            torch::scalar_tensor(0, index), q, kv);
+  EXPECT_TRUE(torch::equal(row1, q.ge(kv)));
+  EXPECT_FALSE(row0[4][2].item<bool>());  // another document
+  EXPECT_TRUE(row0[4][3].item<bool>());
+  EXPECT_TRUE(row0[2][0].item<bool>());
+  EXPECT_THROW_MSG(train::packed_documents_block_mask(
+                       {torch::tensor({3, 5}), torch::tensor({7})}, 4),
+                   "row 0 holds 8 and row 1 holds 7");
+}
+
 // The maps mha-train --plot-attention draws: block 0's weights equal a hand
 // computation from the embeddings (softmax(q kᵀ / sqrt(d)) under a causal
 // mask), block 1's rows are distributions that are 0 right of the diagonal.
