@@ -53,7 +53,9 @@ std::string tiny_text() {
   return text;
 }
 
-train::CharLMTask tiny_char_task(double dropout = 0.0, uint64_t seed = 0) {
+train::CharLMTask tiny_char_task(
+    double dropout = 0.0, uint64_t seed = 0,
+    train::CharBatching batching = train::CharBatching::kWindows) {
   auto corpus = train::make_char_corpus(tiny_text(), /*val_fraction=*/0.1,
                                         /*context=*/32);
   const auto V = corpus.vocab.size();
@@ -63,7 +65,8 @@ train::CharLMTask tiny_char_task(double dropout = 0.0, uint64_t seed = 0) {
                                .n_head(2)
                                .n_layer(1)
                                .dropout(dropout),
-                           /*batch_size=*/8, seed);
+                           /*batch_size=*/8, seed, torch::kCPU,
+                           train::CharDocumentOptions().batching(batching));
 }
 
 double mean_loss(const std::vector<train::LossRecord>& history, size_t begin,
@@ -635,6 +638,46 @@ TEST(TrainLoopTest, ShortCharRunBeatsTheUnigramBaseline) {
   EXPECT_EQ(sample.rfind("the ", 0), 0u);
 }
 
+// Packed documents train the character model as windows do, with the loss
+// of the padded layout on the same documents, and the timing of both.
+TEST(TrainLoopTest, PackedCharRunBeatsTheUnigramBaselineAsPaddedDoes) {
+  auto packed = tiny_char_task(0.0, 0, train::CharBatching::kPacked);
+  auto padded = tiny_char_task(0.0, 0, train::CharBatching::kPadded);
+  EXPECT_NE(packed.fingerprint(), tiny_char_task().fingerprint());
+  EXPECT_NE(packed.fingerprint(), padded.fingerprint());
+  EXPECT_EQ(packed.documents().min_len(), 4);  // 32 / 8
+  EXPECT_EQ(packed.documents().max_len(), 32);
+  // The same documents, the same initial weights: the same loss.
+  const auto first = packed.training_loss(1);
+  const auto again = padded.training_loss(1);
+  EXPECT_EQ(first.tokens, again.tokens);
+  EXPECT_EQ(first.tokens, packed.documents_of_step(1).predicted());
+  EXPECT_NEAR(first.loss.item<double>(), again.loss.item<double>(), 1e-5);
+
+  const auto result = train::train(
+      packed, train::TrainOptions().steps(150).lr(3e-3).warmup_steps(10));
+  EXPECT_LT(result.val_loss, packed.unigram_baseline() - 1.0)
+      << "val " << result.val_loss << ", unigram baseline "
+      << packed.unigram_baseline();
+
+  const auto timing = packed.compare_document_layouts(/*batches=*/2);
+  EXPECT_EQ(timing.batches, 2);
+  EXPECT_EQ(timing.tokens, 2 * 8 * 32);
+  EXPECT_GT(timing.padded_positions, timing.tokens);
+  EXPECT_GT(timing.packed_tokens_per_s, 0.0);
+  EXPECT_GT(timing.padded_tokens_per_s, 0.0);
+  for (const auto& parameter : packed.model().parameters()) {
+    ASSERT_TRUE(!parameter.grad().defined() ||
+                parameter.grad().abs().sum().item<double>() == 0.0);
+  }
+  EXPECT_THROW_MSG(train::CharLMTask(packed.corpus(), packed.lm()->options, 8,
+                                     0, torch::kCPU,
+                                     train::CharDocumentOptions()
+                                         .batching(train::CharBatching::kPacked)
+                                         .max_len(33)),
+                   "max_len <= block_size = 32");
+}
+
 // ------------------------------------------------------ resume, checkpoints
 // ---
 
@@ -645,6 +688,15 @@ TEST(TrainCheckpointTest, ResumedDigitRunReproducesLossesExactly) {
 
 TEST(TrainCheckpointTest, ResumedCharRunReproducesLossesExactly) {
   expect_exact_resume([] { return tiny_char_task(/*dropout=*/0.1); }, "char");
+}
+
+TEST(TrainCheckpointTest, ResumedPackedCharRunReproducesLossesExactly) {
+  expect_exact_resume(
+      [] {
+        return tiny_char_task(/*dropout=*/0.1, /*seed=*/0,
+                              train::CharBatching::kPacked);
+      },
+      "packed");
 }
 
 TEST(TrainCheckpointTest, CheckpointWeightsLoadWithLoadStateDict) {
