@@ -141,6 +141,27 @@ if(cached_sample STREQUAL "" OR NOT cached_sample STREQUAL recomputed_sample)
   message(FATAL_ERROR "--no-kv-cache sampled '${recomputed_sample}', the KV "
                       "cache '${cached_sample}'")
 endif()
+# Packed documents: the header says how, the report compares the
+# characters/s of packing and padding the same documents; a checkpoint of
+# windows does not resume packed.
+run_tool(0 --task charlm --text ${WORK_DIR}/cats.txt --context 32 --d-model 32
+         --heads 2 --layers 1 --batch-size 8 --steps 6 --warmup 2
+         --sample-len 10 --out packed --quiet --packed --compare-batches 2)
+if(NOT last_out MATCHES "documents: lengths 4-32 \\(a row's last one cut to fit\\), packed into rows of 32 characters"
+   OR NOT last_out MATCHES "packed vs padded: [0-9]+ vs [0-9]+ document characters/s, [0-9.]+x \\(forward \\+ backward of the same 2 batches, 512 characters in [0-9]+ documents; padding [0-9.]+% of the padded positions\\)")
+  message(FATAL_ERROR "mha-train --packed: no documents line or comparison:\n${last_out}")
+endif()
+run_tool(1 --task charlm --text ${WORK_DIR}/cats.txt --context 32 --d-model 32
+         --heads 2 --layers 1 --batch-size 8 --steps 20 --warmup 2
+         --sample-len 30 --out charlm --quiet --resume --packed)
+expect_usage_error("--packed and --padded exclude each other" --task charlm
+                   --packed --padded)
+expect_usage_error("--packed, --padded, --doc-min-len and --doc-max-len apply to --task charlm only"
+                   --packed)
+expect_usage_error("1 <= --doc-min-len <= --doc-max-len <= --context = 64, got 8 and 65"
+                   --task charlm --packed --doc-max-len 65)
+expect_usage_error("--doc-min-len and --doc-max-len need --packed or --padded"
+                   --task charlm --doc-min-len 3)
 run_tool(2 --task charlm --text ${WORK_DIR}/cats.txt --positions absolute)
 file(READ ${WORK_DIR}/maps/layer0.svg svg)
 string(REGEX MATCHALL "class=\"cell masked\"" masked "${svg}")

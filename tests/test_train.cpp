@@ -53,7 +53,9 @@ std::string tiny_text() {
   return text;
 }
 
-train::CharLMTask tiny_char_task(double dropout = 0.0, uint64_t seed = 0) {
+train::CharLMTask tiny_char_task(
+    double dropout = 0.0, uint64_t seed = 0,
+    train::CharBatching batching = train::CharBatching::kWindows) {
   auto corpus = train::make_char_corpus(tiny_text(), /*val_fraction=*/0.1,
                                         /*context=*/32);
   const auto V = corpus.vocab.size();
@@ -63,7 +65,8 @@ train::CharLMTask tiny_char_task(double dropout = 0.0, uint64_t seed = 0) {
                                .n_head(2)
                                .n_layer(1)
                                .dropout(dropout),
-                           /*batch_size=*/8, seed);
+                           /*batch_size=*/8, seed, torch::kCPU,
+                           train::CharDocumentOptions().batching(batching));
 }
 
 double mean_loss(const std::vector<train::LossRecord>& history, size_t begin,
@@ -183,6 +186,90 @@ TEST(TrainDataTest, CharBatchesAreShiftedWindows) {
   EXPECT_TRUE(torch::equal(input, again));
 }
 
+// Packed documents: rows filled exactly, each document a span of the text
+// (here the text is 0, 1, 2, ... so a span counts up by one), positions
+// restarting at 0, targets the next character within the document only;
+// the padded layout holds the same documents one per row.
+TEST(TrainDataTest, PackedDocumentsFillRowsAndPadToTheSameDocuments) {
+  auto data = torch::arange(500, torch::kInt64);
+  const int64_t N = 6, T = 32, min_len = 4, max_len = 20;
+  const auto batch =
+      train::sample_packed_char_batch(data, N, T, min_len, max_len, /*seed=*/7);
+  ASSERT_EQ(batch.input.sizes(), (std::vector<int64_t>{N, T}));
+  ASSERT_EQ(batch.target.sizes(), (std::vector<int64_t>{N, T}));
+  ASSERT_EQ(batch.positions.sizes(), (std::vector<int64_t>{N, T}));
+  ASSERT_EQ(static_cast<int64_t>(batch.lengths.size()), N);
+  int64_t documents = 0;
+  for (int64_t row = 0; row < N; ++row) {
+    const auto lengths = batch.lengths[row];
+    EXPECT_EQ(lengths.sum().item<int64_t>(), T) << "row " << row;
+    const int64_t docs = lengths.numel();
+    documents += docs;
+    EXPECT_GE(docs, 2) << "row " << row;  // max_len < T
+    int64_t start = 0;
+    for (int64_t d = 0; d < docs; ++d) {
+      const int64_t length = lengths[d].item<int64_t>();
+      EXPECT_LE(length, max_len);
+      if (d + 1 < docs) {
+        EXPECT_GE(length, min_len);  // only the last may be cut shorter
+      }
+      auto input = batch.input[row].narrow(0, start, length);
+      auto target = batch.target[row].narrow(0, start, length);
+      auto positions = batch.positions[row].narrow(0, start, length);
+      EXPECT_TRUE(torch::equal(positions, torch::arange(length)));
+      EXPECT_TRUE(torch::equal(input, input[0] + torch::arange(length)));
+      EXPECT_TRUE(torch::equal(target.narrow(0, 0, length - 1),
+                               input.narrow(0, 1, length - 1)));
+      EXPECT_EQ(target[length - 1].item<int64_t>(), train::kIgnoreIndex);
+      start += length;
+    }
+  }
+  EXPECT_EQ(batch.documents(), documents);
+  EXPECT_EQ(batch.predicted(), N * T - documents);
+  EXPECT_EQ((batch.target != train::kIgnoreIndex).sum().item<int64_t>(),
+            batch.predicted());
+
+  const auto again =
+      train::sample_packed_char_batch(data, N, T, min_len, max_len, 7);
+  EXPECT_TRUE(torch::equal(again.input, batch.input));
+  const auto other =
+      train::sample_packed_char_batch(data, N, T, min_len, max_len, 8);
+  EXPECT_FALSE(torch::equal(other.input, batch.input));
+
+  const auto shard = batch.rows(2, 3);
+  EXPECT_TRUE(torch::equal(shard.input, batch.input.narrow(0, 2, 3)));
+  ASSERT_EQ(shard.lengths.size(), 3u);
+  EXPECT_TRUE(torch::equal(shard.lengths[0], batch.lengths[2]));
+
+  const auto padded = train::pad_documents(batch);
+  ASSERT_EQ(padded.input.size(0), documents);
+  int64_t d = 0, longest = 0;
+  for (int64_t row = 0; row < N; ++row) {
+    int64_t start = 0;
+    for (int64_t i = 0; i < batch.lengths[row].numel(); ++i, ++d) {
+      const int64_t length = batch.lengths[row][i].item<int64_t>();
+      longest = std::max(longest, length);
+      EXPECT_TRUE(torch::equal(padded.input[d].narrow(0, 0, length),
+                               batch.input[row].narrow(0, start, length)));
+      EXPECT_TRUE(torch::equal(padded.target[d].narrow(0, 0, length),
+                               batch.target[row].narrow(0, start, length)));
+      EXPECT_FALSE(padded.padding[d].narrow(0, 0, length).any().item<bool>());
+      EXPECT_TRUE(padded.padding[d]
+                      .narrow(0, length, padded.input.size(1) - length)
+                      .all()
+                      .item<bool>());
+      start += length;
+    }
+  }
+  EXPECT_EQ(padded.input.size(1), longest);
+  EXPECT_EQ((padded.target != train::kIgnoreIndex).sum().item<int64_t>(),
+            batch.predicted());
+  EXPECT_THROW_MSG(train::sample_packed_char_batch(data, N, T, 0, 8, 7),
+                   "1 <= min_len <= max_len <= context = 32");
+  EXPECT_THROW_MSG(train::sample_packed_char_batch(data, N, T, 4, 33, 7),
+                   "max_len 33");
+}
+
 // ---------------------------------------------------------------- models ---
 
 TEST(TrainModelTest, CharLMTiesItsHeadAndIsCausal) {
@@ -218,6 +305,107 @@ TEST(TrainModelTest, CharLMTiesItsHeadAndIsCausal) {
   EXPECT_GT(lm->wte->weight.grad().abs().sum().item<double>(), 0.0);
   EXPECT_THROW_MSG(lm(torch::randint(11, {1, 9})),
                    "T <= block_size = 8, but got [1, 9]");
+}
+
+// The strongest check that nothing leaks across documents: a packed batch
+// (causal document mask, positions restarting per document) gives every
+// document the logits, and so the loss, it gets alone, one document at a
+// time; and the padded layout the same. Rotary and learned positions, blocks
+// smaller than, equal to and larger than the rows.
+TEST(TrainModelTest, PackedBatchLossEqualsTheDocumentsLossesAlone) {
+  const int64_t V = 11, T = 32, N = 5;
+  auto data = torch::randint(V, {400}, torch::kInt64);
+  const auto batch =
+      train::sample_packed_char_batch(data, N, T, /*min_len=*/3,
+                                      /*max_len=*/T, /*seed=*/11);
+  for (const bool rotary : {true, false}) {
+    torch::manual_seed(0);
+    train::CharLM lm(train::CharLMOptions(V, T)
+                         .n_embd(32)
+                         .n_head(2)
+                         .n_layer(2)
+                         .dropout(0.0)
+                         .rotary(rotary));
+    // One document at a time: the summed loss of its targets, its logits.
+    double alone_sum = 0.0;
+    std::vector<torch::Tensor> alone_logits;
+    for (int64_t row = 0; row < N; ++row) {
+      int64_t start = 0;
+      for (int64_t i = 0; i < batch.lengths[row].numel(); ++i) {
+        const int64_t length = batch.lengths[row][i].item<int64_t>();
+        auto document = batch.input[row].narrow(0, start, length);
+        auto logits = lm(document.unsqueeze(0)).squeeze(0);  // (length, V)
+        alone_logits.push_back(logits);
+        if (length > 1) {
+          alone_sum +=
+              torch::nn::functional::cross_entropy(
+                  logits.narrow(0, 0, length - 1),
+                  document.narrow(0, 1, length - 1),
+                  torch::nn::functional::CrossEntropyFuncOptions().reduction(
+                      torch::kSum))
+                  .item<double>();
+        }
+        start += length;
+      }
+    }
+    const double alone_mean =
+        alone_sum / static_cast<double>(batch.predicted());
+    for (const int64_t block : {8, 32, 64}) {
+      SCOPED_TRACE("rotary " + std::to_string(rotary) + ", block " +
+                   std::to_string(block));
+      const auto mask =
+          train::packed_documents_block_mask(batch.lengths, block);
+      EXPECT_EQ(mask.kv_num_blocks.size(0), N);
+      auto packed = lm->forward(batch.input, batch.positions, mask);  // (N,T,V)
+      const double packed_mean =
+          train::masked_cross_entropy(packed, batch.target).item<double>();
+      EXPECT_NEAR(packed_mean, alone_mean, 1e-5 * alone_mean);
+      int64_t d = 0;
+      for (int64_t row = 0; row < N; ++row) {
+        int64_t start = 0;
+        for (int64_t i = 0; i < batch.lengths[row].numel(); ++i, ++d) {
+          const int64_t length = batch.lengths[row][i].item<int64_t>();
+          expect_close(packed[row].narrow(0, start, length), alone_logits[d],
+                       2e-5, 1e-5, "row " + std::to_string(row));
+          start += length;
+        }
+      }
+    }
+    const auto padded = train::pad_documents(batch);
+    auto padded_logits =
+        lm->forward(padded.input, {}, {}, padded.padding);  // (D, L, V)
+    EXPECT_NEAR(train::masked_cross_entropy(padded_logits, padded.target)
+                    .item<double>(),
+                alone_mean, 1e-5 * alone_mean);
+  }
+}
+
+TEST(TrainModelTest, PackedDocumentsBlockMaskIsPerRowAndCausal) {
+  const std::vector<torch::Tensor> rows = {torch::tensor({3, 5}),
+                                           torch::tensor({8})};
+  const auto mask = train::packed_documents_block_mask(rows, /*block=*/4);
+  ASSERT_EQ(mask.q_len, 8);
+  ASSERT_EQ(mask.kv_num_blocks.sizes(), (std::vector<int64_t>{2, 1, 2}));
+  // Row 0: query block 1 (tokens 4-7, document 1 from token 3) sees key
+  // blocks 0 and 1; row 1 (one document): block 1 sees block 0 whole.
+  auto dense = mask.to_dense();
+  EXPECT_TRUE(dense[0][0][1][0].item<bool>());
+  EXPECT_FALSE(dense[0][0][0][1].item<bool>());
+  EXPECT_EQ(mask.full_kv_num_blocks[1][0][1].item<int32_t>(), 1);
+  const auto index = torch::TensorOptions().dtype(torch::kLong);
+  auto q = torch::arange(8, index).unsqueeze(1);
+  auto kv = torch::arange(8, index).unsqueeze(0);
+  auto row0 = mask.mask_mod(torch::scalar_tensor(0, index),
+                            torch::scalar_tensor(0, index), q, kv);
+  auto row1 = mask.mask_mod(torch::scalar_tensor(1, index),
+                            torch::scalar_tensor(0, index), q, kv);
+  EXPECT_TRUE(torch::equal(row1, q.ge(kv)));
+  EXPECT_FALSE(row0[4][2].item<bool>());  // another document
+  EXPECT_TRUE(row0[4][3].item<bool>());
+  EXPECT_TRUE(row0[2][0].item<bool>());
+  EXPECT_THROW_MSG(train::packed_documents_block_mask(
+                       {torch::tensor({3, 5}), torch::tensor({7})}, 4),
+                   "row 0 holds 8 and row 1 holds 7");
 }
 
 // The maps mha-train --plot-attention draws: block 0's weights equal a hand
@@ -450,6 +638,46 @@ TEST(TrainLoopTest, ShortCharRunBeatsTheUnigramBaseline) {
   EXPECT_EQ(sample.rfind("the ", 0), 0u);
 }
 
+// Packed documents train the character model as windows do, with the loss
+// of the padded layout on the same documents, and the timing of both.
+TEST(TrainLoopTest, PackedCharRunBeatsTheUnigramBaselineAsPaddedDoes) {
+  auto packed = tiny_char_task(0.0, 0, train::CharBatching::kPacked);
+  auto padded = tiny_char_task(0.0, 0, train::CharBatching::kPadded);
+  EXPECT_NE(packed.fingerprint(), tiny_char_task().fingerprint());
+  EXPECT_NE(packed.fingerprint(), padded.fingerprint());
+  EXPECT_EQ(packed.documents().min_len(), 4);  // 32 / 8
+  EXPECT_EQ(packed.documents().max_len(), 32);
+  // The same documents, the same initial weights: the same loss.
+  const auto first = packed.training_loss(1);
+  const auto again = padded.training_loss(1);
+  EXPECT_EQ(first.tokens, again.tokens);
+  EXPECT_EQ(first.tokens, packed.documents_of_step(1).predicted());
+  EXPECT_NEAR(first.loss.item<double>(), again.loss.item<double>(), 1e-5);
+
+  const auto result = train::train(
+      packed, train::TrainOptions().steps(150).lr(3e-3).warmup_steps(10));
+  EXPECT_LT(result.val_loss, packed.unigram_baseline() - 1.0)
+      << "val " << result.val_loss << ", unigram baseline "
+      << packed.unigram_baseline();
+
+  const auto timing = packed.compare_document_layouts(/*batches=*/2);
+  EXPECT_EQ(timing.batches, 2);
+  EXPECT_EQ(timing.tokens, 2 * 8 * 32);
+  EXPECT_GT(timing.padded_positions, timing.tokens);
+  EXPECT_GT(timing.packed_tokens_per_s, 0.0);
+  EXPECT_GT(timing.padded_tokens_per_s, 0.0);
+  for (const auto& parameter : packed.model().parameters()) {
+    ASSERT_TRUE(!parameter.grad().defined() ||
+                parameter.grad().abs().sum().item<double>() == 0.0);
+  }
+  EXPECT_THROW_MSG(train::CharLMTask(packed.corpus(), packed.lm()->options, 8,
+                                     0, torch::kCPU,
+                                     train::CharDocumentOptions()
+                                         .batching(train::CharBatching::kPacked)
+                                         .max_len(33)),
+                   "max_len <= block_size = 32");
+}
+
 // ------------------------------------------------------ resume, checkpoints
 // ---
 
@@ -460,6 +688,15 @@ TEST(TrainCheckpointTest, ResumedDigitRunReproducesLossesExactly) {
 
 TEST(TrainCheckpointTest, ResumedCharRunReproducesLossesExactly) {
   expect_exact_resume([] { return tiny_char_task(/*dropout=*/0.1); }, "char");
+}
+
+TEST(TrainCheckpointTest, ResumedPackedCharRunReproducesLossesExactly) {
+  expect_exact_resume(
+      [] {
+        return tiny_char_task(/*dropout=*/0.1, /*seed=*/0,
+                              train::CharBatching::kPacked);
+      },
+      "packed");
 }
 
 TEST(TrainCheckpointTest, CheckpointWeightsLoadWithLoadStateDict) {

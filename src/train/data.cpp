@@ -175,4 +175,115 @@ std::pair<torch::Tensor, torch::Tensor> sample_char_batch(
           windows.narrow(1, 1, T).contiguous()};  // (N, T) target
 }
 
+// ---------------------------------------------------- packed documents ---
+
+PackedCharBatch PackedCharBatch::rows(int64_t first, int64_t count) const {
+  TORCH_CHECK(first >= 0 && count >= 0 && first + count <= input.size(0),
+              "PackedCharBatch::rows: rows [", first, ", ", first + count,
+              ") are outside the batch's ", input.size(0));
+  PackedCharBatch part;
+  part.input = input.narrow(0, first, count);
+  part.target = target.narrow(0, first, count);
+  part.positions = positions.narrow(0, first, count);
+  part.lengths.assign(lengths.begin() + first, lengths.begin() + first + count);
+  return part;
+}
+
+int64_t PackedCharBatch::documents() const {
+  int64_t count = 0;
+  for (const auto& row : lengths) {
+    count += row.numel();
+  }
+  return count;
+}
+
+int64_t PackedCharBatch::predicted() const {
+  return input.numel() - documents();
+}
+
+PackedCharBatch sample_packed_char_batch(const torch::Tensor& data,
+                                         int64_t rows, int64_t context,
+                                         int64_t min_len, int64_t max_len,
+                                         uint64_t seed) {
+  TORCH_CHECK(rows >= 1,
+              "sample_packed_char_batch: rows must be >= 1, but got ", rows);
+  TORCH_CHECK(data.dim() == 1 && data.size(0) > context && context >= 1,
+              "sample_packed_char_batch: data must be 1-D and longer than "
+              "the context ",
+              context, ", but got ", data.sizes());
+  TORCH_CHECK(1 <= min_len && min_len <= max_len && max_len <= context,
+              "sample_packed_char_batch: need 1 <= min_len <= max_len <= "
+              "context = ",
+              context, ", but got min_len ", min_len, " and max_len ", max_len);
+  std::mt19937_64 rng(seed);
+  const int64_t N = rows, T = context, size = data.size(0);
+  // Per character: where it is in the text, whether it ends its document,
+  // and its position in the document.
+  std::vector<int64_t> at, position;
+  std::vector<uint8_t> last;
+  at.reserve(N * T);
+  position.reserve(N * T);
+  last.reserve(N * T);
+  PackedCharBatch batch;
+  for (int64_t row = 0; row < N; ++row) {
+    std::vector<int64_t> row_lengths;
+    for (int64_t filled = 0; filled < T;) {
+      const int64_t drawn = min_len + uniform_below(rng, max_len - min_len + 1);
+      const int64_t length = std::min(drawn, T - filled);  // cut at the end
+      const int64_t offset = uniform_below(rng, size - length + 1);
+      for (int64_t i = 0; i < length; ++i) {
+        at.push_back(offset + i);
+        position.push_back(i);
+        last.push_back(i == length - 1 ? 1 : 0);
+      }
+      row_lengths.push_back(length);
+      filled += length;
+    }
+    const auto docs = static_cast<int64_t>(row_lengths.size());
+    batch.lengths.push_back(int64_tensor(std::move(row_lengths), {docs}));
+  }
+  auto index = int64_tensor(at, {N * T});  // (N*T)
+  auto ends = torch::from_blob(last.data(), {N * T}, torch::kUInt8)
+                  .to(torch::kBool);  // (N*T): a document's last character
+  batch.input = data.index_select(0, index).view({N, T});
+  // The next character of the text, except after a document's last one
+  // (which may be the text's last: clamped, then ignored).
+  batch.target = data.index_select(0, (index + 1).clamp_max(size - 1))
+                     .masked_fill(ends, kIgnoreIndex)
+                     .view({N, T});
+  batch.positions = int64_tensor(std::move(position), {N, T});
+  return batch;
+}
+
+PaddedCharBatch pad_documents(const PackedCharBatch& batch) {
+  const int64_t N = batch.input.size(0);
+  const int64_t D = batch.documents();
+  int64_t L = 0;
+  for (const auto& row : batch.lengths) {
+    L = std::max(L, row.max().item<int64_t>());
+  }
+  PaddedCharBatch padded;
+  padded.input = torch::zeros({D, L}, torch::kInt64);
+  padded.target = torch::full({D, L}, kIgnoreIndex, torch::kInt64);
+  padded.padding = torch::ones({D, L}, torch::kBool);
+  int64_t d = 0;
+  for (int64_t row = 0; row < N; ++row) {
+    const auto row_lengths = batch.lengths[row].contiguous();
+    const int64_t* lengths = row_lengths.data_ptr<int64_t>();
+    int64_t start = 0;
+    for (int64_t i = 0; i < row_lengths.numel(); ++i, ++d) {
+      const int64_t length = lengths[i];
+      padded.input[d]
+          .narrow(0, 0, length)
+          .copy_(batch.input[row].narrow(0, start, length));
+      padded.target[d]
+          .narrow(0, 0, length)
+          .copy_(batch.target[row].narrow(0, start, length));
+      padded.padding[d].narrow(0, 0, length).fill_(false);
+      start += length;
+    }
+  }
+  return padded;
+}
+
 }  // namespace mha::train

@@ -132,8 +132,12 @@ void GPTBlockImpl::reset() {
   dropout = register_module("dropout", torch::nn::Dropout(options.dropout()));
 }
 
-torch::Tensor GPTBlockImpl::forward(const torch::Tensor& x) {
-  return std::get<0>(forward_impl(x, /*need_weights=*/false));
+torch::Tensor GPTBlockImpl::forward(const torch::Tensor& x,
+                                    const torch::Tensor& positions,
+                                    const BlockMask& block_mask,
+                                    const torch::Tensor& key_padding_mask) {
+  return std::get<0>(forward_impl(x, /*need_weights=*/false, positions,
+                                  block_mask, key_padding_mask));
 }
 
 std::tuple<torch::Tensor, torch::Tensor> GPTBlockImpl::forward_with_weights(
@@ -142,12 +146,13 @@ std::tuple<torch::Tensor, torch::Tensor> GPTBlockImpl::forward_with_weights(
 }
 
 std::tuple<torch::Tensor, torch::Tensor> GPTBlockImpl::forward_impl(
-    const torch::Tensor& x, bool need_weights) {
+    const torch::Tensor& x, bool need_weights, const torch::Tensor& positions,
+    const BlockMask& block_mask, const torch::Tensor& key_padding_mask) {
   auto [attended, weights] = attn->forward(
-      ln_1(x), /*key=*/{}, /*value=*/{},
-      /*key_padding_mask=*/{}, need_weights, /*attn_mask=*/{},
-      /*average_attn_weights=*/false,
-      /*is_causal=*/true);  // (N, T, E), (N, H, T, T) or undefined
+      ln_1(x), /*key=*/{}, /*value=*/{}, key_padding_mask, need_weights,
+      /*attn_mask=*/{}, /*average_attn_weights=*/false,
+      /*is_causal=*/true, positions,
+      block_mask);  // (N, T, E), (N, H, T, T) or undefined
   return {residuals(x, attended), weights};
 }
 
@@ -206,13 +211,28 @@ void CharLMImpl::reset() {
 namespace {
 
 /// The CharLM's input embedding of idx (N, T) at positions offset..offset +
-/// T - 1: wte, plus wpe without rotary (checked against block_size).
+/// T - 1, or at `positions` (N, T) where defined: wte, plus wpe without
+/// rotary (checked against block_size).
 torch::Tensor embed(CharLMImpl& lm, const torch::Tensor& idx, int64_t offset,
-                    const char* what) {
+                    const char* what, const torch::Tensor& positions = {}) {
   TORCH_CHECK(idx.dim() == 2, what, ": idx must be (N, T), but got ",
               idx.sizes());
+  if (positions.defined()) {
+    TORCH_CHECK(positions.sizes() == idx.sizes() &&
+                    positions.scalar_type() == torch::kInt64,
+                what, ": positions must be int64 of idx's shape ", idx.sizes(),
+                ", but got ", positions.scalar_type(), " ", positions.sizes());
+  }
   if (lm.options.rotary()) {
     return lm.wte(idx);  // (N, T, E); positions enter in attention
+  }
+  if (positions.defined()) {
+    TORCH_CHECK(positions.numel() == 0 ||
+                    (positions.min().item<int64_t>() >= 0 &&
+                     positions.max().item<int64_t>() < lm.options.block_size()),
+                what, ": positions must be in [0, block_size = ",
+                lm.options.block_size(), ")");
+    return lm.wte(idx) + lm.wpe(positions);  // (N, T, E) + (N, T, E)
   }
   const int64_t T = idx.size(1);
   TORCH_CHECK(offset + T <= lm.options.block_size(), what,
@@ -220,19 +240,64 @@ torch::Tensor embed(CharLMImpl& lm, const torch::Tensor& idx, int64_t offset,
               lm.options.block_size() - offset,
               offset > 0 ? " (after the cached positions)" : "", ", but got ",
               idx.sizes());
-  auto positions = torch::arange(offset, offset + T, idx.options());  // (T)
-  return lm.wte(idx) + lm.wpe(positions);  // (N, T, E) + (T, E)
+  auto at = torch::arange(offset, offset + T, idx.options());  // (T)
+  return lm.wte(idx) + lm.wpe(at);  // (N, T, E) + (T, E)
 }
 
 }  // namespace
 
-torch::Tensor CharLMImpl::forward(const torch::Tensor& idx) {
-  auto x = drop(embed(*this, idx, 0, "CharLM"));  // (N, T, E)
+torch::Tensor CharLMImpl::forward(const torch::Tensor& idx,
+                                  const torch::Tensor& positions,
+                                  const BlockMask& block_mask,
+                                  const torch::Tensor& key_padding_mask) {
+  auto x = drop(embed(*this, idx, 0, "CharLM", positions));  // (N, T, E)
   for (const auto& block : *h) {
-    x = block->as<GPTBlockImpl>()->forward(x);  // (N, T, E)
+    x = block->as<GPTBlockImpl>()->forward(x, positions, block_mask,
+                                           key_padding_mask);  // (N, T, E)
   }
   x = ln_f(x);                           // (N, T, E)
   return torch::linear(x, wte->weight);  // (N,T,E)·(E,V) → (N, T, V)
+}
+
+BlockMask packed_documents_block_mask(
+    const std::vector<torch::Tensor>& row_lengths, int64_t block) {
+  TORCH_CHECK(!row_lengths.empty(),
+              "packed_documents_block_mask: no rows (row_lengths is empty)");
+  // Each row's causal document mask (create_document_block_mask checks its
+  // lengths), stacked along B; the mask function reads each row's
+  // documents from a (rows, T) table.
+  std::vector<BlockMask> rows;
+  std::vector<torch::Tensor> docs;
+  for (const auto& lengths : row_lengths) {
+    rows.push_back(create_document_block_mask(lengths, /*causal=*/true, block));
+    docs.push_back(document_ids(lengths));  // (T)
+    TORCH_CHECK(rows.back().q_len == rows.front().q_len,
+                "packed_documents_block_mask: every row must hold the same "
+                "number of characters, but row 0 holds ",
+                rows.front().q_len, " and row ", rows.size() - 1, " holds ",
+                rows.back().q_len);
+  }
+  auto stack = [&](torch::Tensor BlockMask::*field) {
+    std::vector<torch::Tensor> parts;
+    for (const auto& row : rows) {
+      parts.push_back(row.*field);  // (1, 1, ...)
+    }
+    return torch::cat(parts, 0);  // (rows, 1, ...)
+  };
+  BlockMask mask = rows.front();
+  mask.kv_num_blocks = stack(&BlockMask::kv_num_blocks);
+  mask.kv_indices = stack(&BlockMask::kv_indices);
+  mask.full_kv_num_blocks = stack(&BlockMask::full_kv_num_blocks);
+  mask.full_kv_indices = stack(&BlockMask::full_kv_indices);
+  mask.mask_mod = [doc = torch::stack(docs)](
+                      const torch::Tensor& b, const torch::Tensor&,
+                      const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+    const auto d = doc.to(q_idx.device());  // (rows, T)
+    return d.index({b, q_idx})
+        .eq(d.index({b, kv_idx}))
+        .logical_and(q_idx.ge(kv_idx));
+  };
+  return mask;
 }
 
 std::vector<KVCache> CharLMImpl::make_kv_caches(int64_t batch_size,

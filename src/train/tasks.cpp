@@ -6,6 +6,7 @@
 #include "mha/train/tasks.h"
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <utility>
 
@@ -141,11 +142,13 @@ std::string DigitTask::fingerprint() const {
 }
 
 CharLMTask::CharLMTask(CharCorpus corpus, const CharLMOptions& model_options,
-                       int64_t batch_size, uint64_t seed, torch::Device device)
+                       int64_t batch_size, uint64_t seed, torch::Device device,
+                       const CharDocumentOptions& documents)
     : corpus_(std::move(corpus)),
       batch_size_(batch_size),
       seed_(seed),
       device_(device),
+      documents_(documents),
       model_(nullptr) {
   TORCH_CHECK(batch_size >= 1, "CharLMTask: batch_size must be >= 1, but got ",
               batch_size);
@@ -159,18 +162,111 @@ CharLMTask::CharLMTask(CharCorpus corpus, const CharLMOptions& model_options,
               " characters) and validation (", corpus_.val.size(0),
               " characters) parts must be longer than the context (",
               model_options.block_size(), ")");
+  const int64_t T = model_options.block_size();
+  if (documents_.min_len() == 0) {
+    documents_.min_len(std::max<int64_t>(1, T / 8));
+  }
+  if (documents_.max_len() == 0) {
+    documents_.max_len(T);
+  }
+  TORCH_CHECK(1 <= documents_.min_len() &&
+                  documents_.min_len() <= documents_.max_len() &&
+                  documents_.max_len() <= T,
+              "CharLMTask: document lengths must satisfy 1 <= min_len <= "
+              "max_len <= block_size = ",
+              T, ", but got min_len ", documents_.min_len(), " and max_len ",
+              documents_.max_len());
+  TORCH_CHECK(documents_.block() >= 1,
+              "CharLMTask: the documents' block must be >= 1, but got ",
+              documents_.block());
   torch::manual_seed(derive_seed(seed, 0, SeedStream::kModelInit));
   model_ = CharLM(model_options);
   model_->to(device_);
 }
 
 std::string CharLMTask::name() const {
+  const auto batching = documents_.batching();
   return printf_string(
-      "character language model (%lld characters)",
-      static_cast<long long>(corpus_.train.size(0) + corpus_.val.size(0)));
+      "character language model (%lld characters%s)",
+      static_cast<long long>(corpus_.train.size(0) + corpus_.val.size(0)),
+      batching == CharBatching::kPacked   ? ", packed documents"
+      : batching == CharBatching::kPadded ? ", padded documents"
+                                          : "");
+}
+
+PackedCharBatch CharLMTask::documents_of_step(int64_t step) const {
+  return sample_packed_char_batch(
+      corpus_.train, batch_size_, model_->options.block_size(),
+      documents_.min_len(), documents_.max_len(),
+      derive_seed(seed_, step, SeedStream::kTrainData));
+}
+
+BatchLoss CharLMTask::document_loss(const PackedCharBatch& batch, bool padded) {
+  torch::Tensor logits, target;  // (rows, T, V), (rows, T)
+  if (padded) {
+    const auto rows = pad_documents(batch);  // one document a row
+    logits = model_->forward(rows.input.to(device_), /*positions=*/{},
+                             /*block_mask=*/{}, rows.padding.to(device_));
+    target = rows.target.to(device_);
+  } else {
+    const auto mask =
+        packed_documents_block_mask(batch.lengths, documents_.block());
+    logits = model_->forward(batch.input.to(device_),
+                             batch.positions.to(device_), mask);
+    target = batch.target.to(device_);
+  }
+  return {masked_cross_entropy(logits, target), batch.predicted()};
+}
+
+LayoutThroughput CharLMTask::compare_document_layouts(int64_t batches) {
+  TORCH_CHECK(batches >= 1,
+              "CharLMTask::compare_document_layouts: batches must be >= 1, "
+              "but got ",
+              batches);
+  model_->train();
+  // Forward and backward of one layout; the gradients are dropped. Reading
+  // a gradient waits for an accelerator to finish.
+  auto run = [&](const PackedCharBatch& batch, bool padded) {
+    const auto start = std::chrono::steady_clock::now();
+    document_loss(batch, padded).loss.backward();
+    model_->wte->weight.grad().view({-1})[0].item<float>();
+    const std::chrono::duration<double> seconds =
+        std::chrono::steady_clock::now() - start;
+    model_->zero_grad();
+    return seconds.count();
+  };
+  {
+    const auto warm_up = documents_of_step(1);
+    run(warm_up, false);
+    run(warm_up, true);
+  }
+  LayoutThroughput result;
+  double packed_s = 0.0, padded_s = 0.0;
+  for (int64_t step = 1; step <= batches; ++step) {
+    const auto batch = documents_of_step(step);
+    packed_s += run(batch, /*padded=*/false);
+    padded_s += run(batch, /*padded=*/true);
+    int64_t longest = 0;
+    for (const auto& row : batch.lengths) {
+      longest = std::max(longest, row.max().item<int64_t>());
+    }
+    result.tokens += batch.input.numel();
+    result.documents += batch.documents();
+    result.padded_positions += batch.documents() * longest;
+  }
+  result.batches = batches;
+  const auto tokens = static_cast<double>(result.tokens);
+  result.packed_tokens_per_s = tokens / std::max(packed_s, 1e-9);
+  result.padded_tokens_per_s = tokens / std::max(padded_s, 1e-9);
+  return result;
 }
 
 BatchLoss CharLMTask::training_loss(int64_t step) {
+  if (documents_.batching() != CharBatching::kWindows) {
+    const auto [first, last] = shard().rows(batch_size_);
+    return document_loss(documents_of_step(step).rows(first, last - first),
+                         documents_.batching() == CharBatching::kPadded);
+  }
   const int64_t T = model_->options.block_size();
   const auto [input, target] =
       sample_char_batch(corpus_.train, batch_size_, T,
@@ -212,7 +308,7 @@ LossSum CharLMTask::validation_loss_sum() {
 
 std::string CharLMTask::fingerprint() const {
   const auto& m = model_->options;
-  return printf_string(
+  auto fingerprint = printf_string(
       "task=charlm text_chars=%lld val_chars=%lld text_fnv1a=%016llx "
       "block_size=%lld n_embd=%lld n_head=%lld n_layer=%lld dropout=%s "
       "positions=%s batch_size=%lld seed=%llu",
@@ -225,6 +321,20 @@ std::string CharLMTask::fingerprint() const {
       static_cast<long long>(m.n_layer()), exact_decimal(m.dropout()).c_str(),
       m.rotary() ? "rotary" : "learned", static_cast<long long>(batch_size_),
       static_cast<unsigned long long>(seed_));
+  // Windows add nothing: their checkpoints stay resumable.
+  const auto batching = documents_.batching();
+  if (batching != CharBatching::kWindows) {
+    fingerprint +=
+        printf_string(" documents=%s min_len=%lld max_len=%lld",
+                      batching == CharBatching::kPacked ? "packed" : "padded",
+                      static_cast<long long>(documents_.min_len()),
+                      static_cast<long long>(documents_.max_len()));
+  }
+  if (batching == CharBatching::kPacked) {
+    fingerprint += printf_string(" block=%lld",
+                                 static_cast<long long>(documents_.block()));
+  }
+  return fingerprint;
 }
 
 double CharLMTask::unigram_baseline() const {

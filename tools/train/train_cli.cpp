@@ -144,6 +144,27 @@ void add_charlm_options(CLI::App& app, Args& a) {
                  "positions, any length) or learned (nanoGPT's wpe)")
       ->check(CLI::IsMember({"rotary", "learned"}))
       ->capture_default_str();
+  app.add_flag("--packed", a.packed,
+               "charlm: train on documents of random lengths packed into "
+               "rows of --context characters (a causal document mask, "
+               "positions restarting per document), and compare with "
+               "padding them at the end");
+  app.add_flag("--padded", a.padded,
+               "charlm: train on the same documents one per row, padded to "
+               "the longest (the padding masked), and compare with packing");
+  app.add_option("--doc-min-len", a.doc_min_len,
+                 "charlm --packed/--padded: shortest document drawn [--context "
+                 "/ 8]");
+  app.add_option("--doc-max-len", a.doc_max_len,
+                 "charlm --packed/--padded: longest document [--context]");
+  app.add_option("--doc-block", a.doc_block,
+                 "charlm --packed: queries and keys per block of the "
+                 "document mask")
+      ->capture_default_str();
+  app.add_option("--compare-batches", a.compare_batches,
+                 "charlm --packed/--padded: batches timed packed and padded "
+                 "at the end, 0 = none")
+      ->capture_default_str();
   app.add_flag("--no-kv-cache", a.no_kv_cache,
                "charlm: sample by recomputing the context every step");
   app.add_option("--prompt", a.prompt,
@@ -266,6 +287,35 @@ std::string check_settings(const Args& a, const Config& c) {
       return fmt::format("--plot-attention: cannot write to directory '{}'{}",
                          a.plot_dir, error ? ": " + error.message() : "");
     }
+  }
+  const bool documents = a.packed || a.padded;
+  if (!c.charlm && (documents || a.doc_min_len || a.doc_max_len)) {
+    return "--packed, --padded, --doc-min-len and --doc-max-len apply to "
+           "--task charlm only";
+  }
+  if (a.packed && a.padded) {
+    return "--packed and --padded exclude each other";
+  }
+  if ((a.doc_min_len || a.doc_max_len) && !documents) {
+    return "--doc-min-len and --doc-max-len need --packed or --padded";
+  }
+  if (documents) {
+    const int64_t min_len =
+        a.doc_min_len.value_or(std::max<int64_t>(1, a.context / 8));
+    const int64_t max_len = a.doc_max_len.value_or(a.context);
+    if (!(1 <= min_len && min_len <= max_len && max_len <= a.context)) {
+      return fmt::format(
+          "document lengths must satisfy 1 <= --doc-min-len <= --doc-max-len "
+          "<= --context = {}, got {} and {}",
+          a.context, min_len, max_len);
+    }
+  }
+  if (a.doc_block < 1) {
+    return fmt::format("--doc-block must be >= 1, got {}", a.doc_block);
+  }
+  if (a.compare_batches < 0) {
+    return fmt::format("--compare-batches must be >= 0, got {}",
+                       a.compare_batches);
   }
   if (c.addition && (a.digits < 1 || a.digits > 18)) {
     return fmt::format("--digits must be in [1, 18], got {}", a.digits);

@@ -5,6 +5,7 @@
 #include <fmt/core.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -86,6 +87,20 @@ int report_charlm(const Args& args, const Config& config,
       "validation loss {:.4f} nats/char vs unigram baseline {:.4f}: {:.4f} "
       "below\n",
       val, baseline, baseline - val);
+  if (task.documents().batching() != train::CharBatching::kWindows &&
+      args.compare_batches > 0) {
+    const auto t = task.compare_document_layouts(args.compare_batches);
+    fmt::print(
+        "packed vs padded: {:.0f} vs {:.0f} document characters/s, {:.2f}x "
+        "(forward + backward of the same {} batches, {} characters in {} "
+        "documents; padding {:.1f}% of the padded positions)\n",
+        t.packed_tokens_per_s, t.padded_tokens_per_s,
+        t.packed_tokens_per_s / std::max(t.padded_tokens_per_s, 1e-9),
+        t.batches, t.tokens, t.documents,
+        100.0 * (1.0 - static_cast<double>(t.tokens) /
+                           static_cast<double>(
+                               std::max<int64_t>(t.padded_positions, 1))));
+  }
   const auto sampling =
       train::SamplingOptions()
           .temperature(args.temperature)
@@ -169,9 +184,17 @@ std::unique_ptr<train::TrainTask> make_task(const Args& args,
               .n_layer(config.layers)
               .dropout(config.dropout)
               .rotary(args.positions == "rotary");
-      return std::make_unique<train::CharLMTask>(std::move(corpus),
-                                                 model_options, config.batch,
-                                                 args.seed, config.device);
+      const auto documents =
+          train::CharDocumentOptions()
+              .batching(args.packed   ? train::CharBatching::kPacked
+                        : args.padded ? train::CharBatching::kPadded
+                                      : train::CharBatching::kWindows)
+              .min_len(args.doc_min_len.value_or(0))
+              .max_len(args.doc_max_len.value_or(0))
+              .block(args.doc_block);
+      return std::make_unique<train::CharLMTask>(
+          std::move(corpus), model_options, config.batch, args.seed,
+          config.device, documents);
     }
     if (config.addition) {
       const auto data = train::AdditionDataOptions().max_digits(args.digits);
@@ -257,6 +280,19 @@ void print_header(const Args& args, const Config& config,
         args.text_path,
         char_task->corpus().train.size(0) + char_task->corpus().val.size(0),
         char_task->corpus().vocab.size(), char_task->unigram_baseline());
+    const auto& documents = char_task->documents();
+    if (documents.batching() != train::CharBatching::kWindows) {
+      fmt::print(
+          "documents: lengths {}-{} (a row's last one cut to fit), {}\n",
+          documents.min_len(), documents.max_len(),
+          documents.batching() == train::CharBatching::kPacked
+              ? fmt::format("packed into rows of {} characters; causal "
+                            "document mask in blocks of {}, positions "
+                            "restarting per document",
+                            args.context, documents.block())
+              : std::string("one per row, padded to the longest; padding "
+                            "masked"));
+    }
   }
   std::fflush(stdout);
 }

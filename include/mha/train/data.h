@@ -147,4 +147,66 @@ std::pair<torch::Tensor, torch::Tensor> sample_char_batch(
     const torch::Tensor& data, int64_t batch_size, int64_t context,
     uint64_t seed);
 
+// ---------------------------------------------------- packed documents ---
+
+/// Documents of random lengths packed back to back into fixed-size rows:
+/// packed-sequence training, no padding. Each document is a span of the
+/// text; a model must keep the documents of a row apart (a causal document
+/// mask: packed_documents_block_mask in mha/train/models.h) and read
+/// positions that restart at 0 in each document.
+///
+/// Example (T = 8, two documents "abc" and "defgh" in one row):
+///   input     a b c d e f g h
+///   target    b c - e f g h -        (- = kIgnoreIndex)
+///   positions 0 1 2 0 1 2 3 4
+///   lengths   {3, 5}
+struct PackedCharBatch {
+  /// (N, T) int64: the documents' characters, back to back in each row.
+  torch::Tensor input;
+  /// (N, T) int64: each character's successor in its document;
+  /// kIgnoreIndex at a document's last character, which predicts nothing
+  /// (its successor in the row begins another document).
+  torch::Tensor target;
+  /// (N, T) int64: each character's position in its document.
+  torch::Tensor positions;
+  /// One 1-D int64 tensor per row: its documents' lengths in order, summing
+  /// to T.
+  std::vector<torch::Tensor> lengths;
+
+  /// Rows [first, first + count) (a data-parallel shard), sharing storage.
+  PackedCharBatch rows(int64_t first, int64_t count) const;
+  /// Documents in all rows.
+  int64_t documents() const;
+  /// Characters with a target (not kIgnoreIndex): N·T - documents().
+  int64_t predicted() const;
+};
+
+/// `rows` rows of `context` characters, a pure function of seed: each row is
+/// filled with documents, spans of `data` at offsets uniform over the text
+/// with lengths uniform in [min_len, max_len]; the document that would run
+/// past the row's end is cut there (so a row's last document may be shorter
+/// than min_len). CPU tensors. Throws c10::Error unless rows >= 1,
+/// 1 <= min_len <= max_len <= context and data is 1-D and longer than
+/// context.
+PackedCharBatch sample_packed_char_batch(const torch::Tensor& data,
+                                         int64_t rows, int64_t context,
+                                         int64_t min_len, int64_t max_len,
+                                         uint64_t seed);
+
+/// The documents of a packed batch one per row, padded to the longest: the
+/// usual alternative to packing, for comparison (the same characters and
+/// targets; the model must mask the padding keys).
+struct PaddedCharBatch {
+  /// (D, L) int64, L the longest document: the characters; 0 at padding.
+  torch::Tensor input;
+  /// (D, L) int64: the packed batch's targets; kIgnoreIndex at padding.
+  torch::Tensor target;
+  /// (D, L) bool, true = padding (a key_padding_mask).
+  torch::Tensor padding;
+};
+
+/// The documents of `batch` (row by row, in order) one per row, padded to
+/// the longest.
+PaddedCharBatch pad_documents(const PackedCharBatch& batch);
+
 }  // namespace mha::train

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "mha/flex_attention.h"
 #include "mha/multi_head_attention.h"
 #include "mha/train/data.h"
 #include "mha/transformer.h"
@@ -123,8 +124,15 @@ class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
   /// with rotary, a window of block_size keys).
   explicit GPTBlockImpl(const CharLMOptions& options_);
   /// x (N, T, E) → (N, T, E); position t sees positions <= t only (and
-  /// > t - block_size when rotary).
-  torch::Tensor forward(const torch::Tensor& x);
+  /// > t - block_size when rotary). positions, block_mask and
+  /// key_padding_mask go to attn (MultiHeadAttention::forward): positions
+  /// (N, T) int64 for rotary and the window, a BlockMask (e.g.
+  /// packed_documents_block_mask), key_padding_mask (N, T) bool (true =
+  /// padding); undefined or empty (default): none.
+  torch::Tensor forward(const torch::Tensor& x,
+                        const torch::Tensor& positions = {},
+                        const BlockMask& block_mask = {},
+                        const torch::Tensor& key_padding_mask = {});
   /// forward for the next T positions of sequences whose earlier positions
   /// are in `cache` (MultiHeadAttention::forward_cached): x (N, T, E) →
   /// (N, T, E), the same rows forward(all positions) gives.
@@ -153,8 +161,10 @@ class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
   torch::nn::Dropout dropout = nullptr;
 
  private:
-  std::tuple<torch::Tensor, torch::Tensor> forward_impl(const torch::Tensor& x,
-                                                        bool need_weights);
+  std::tuple<torch::Tensor, torch::Tensor> forward_impl(
+      const torch::Tensor& x, bool need_weights,
+      const torch::Tensor& positions = {}, const BlockMask& block_mask = {},
+      const torch::Tensor& key_padding_mask = {});
   // x + dropout(attended), then the feed-forward residual branch.
   torch::Tensor residuals(const torch::Tensor& x,
                           const torch::Tensor& attended);
@@ -187,7 +197,22 @@ class CharLMImpl : public torch::nn::Cloneable<CharLMImpl> {
   /// idx (N, T) int64 ids in [0, V), T <= block_size unless rotary.
   /// Returns logits (N, T, V), float32: position t predicts character t + 1
   /// from characters 0..t. Throws c10::Error if !rotary and T > block_size.
-  torch::Tensor forward(const torch::Tensor& idx);
+  ///
+  /// Packed sequences (several documents in a row; see PackedCharBatch):
+  ///   positions: (N, T) int64, each character's position (restarting at 0
+  ///     in each document): the rows of wpe it reads (learned positions, in
+  ///     [0, block_size)) or where rotary rotates it. Default: 0..T-1.
+  ///   block_mask: the documents' causal mask (packed_documents_block_mask):
+  ///     a character sees only the earlier characters of its document.
+  ///   key_padding_mask: (N, T) bool, true = padding, never attended to
+  ///     (padded rows; their logits carry no meaning).
+  /// With the defaults (none), forward(idx) is the plain call, bit for bit.
+  /// Each document then gets the logits it would get alone, within float
+  /// rounding.
+  torch::Tensor forward(const torch::Tensor& idx,
+                        const torch::Tensor& positions = {},
+                        const BlockMask& block_mask = {},
+                        const torch::Tensor& key_padding_mask = {});
 
   /// One KVCache per block for batch_size sequences of up to `capacity`
   /// characters (capacity <= block_size unless rotary).
@@ -228,6 +253,17 @@ class CharLMImpl : public torch::nn::Cloneable<CharLMImpl> {
 
 /// Holder of CharLMImpl.
 TORCH_MODULE(CharLM);
+
+/// The attention mask of rows of packed documents for CharLM::forward: in
+/// row b, a character may attend to the characters of its own document up
+/// to itself (Python FlexAttention's causal document mask, per row). One
+/// BlockMask with B = rows (one create_document_block_mask per row), H = 1,
+/// blocks of `block` queries and keys. `row_lengths`: one 1-D integer
+/// tensor of positive document lengths per row (PackedCharBatch::lengths),
+/// every row with the same sum T. Throws c10::Error for no rows, rows of
+/// different sums or bad lengths.
+BlockMask packed_documents_block_mask(
+    const std::vector<torch::Tensor>& row_lengths, int64_t block = 32);
 
 /// How generate() picks each next character.
 struct SamplingOptions {

@@ -140,27 +140,105 @@ class DigitTask : public TrainTask {
   DigitBatch val_batch_;  // fixed validation batch
 };
 
+/// How CharLMTask makes its training batches.
+enum class CharBatching {
+  /// batch_size windows of block_size + 1 consecutive characters
+  /// (sample_char_batch); every character predicts its successor.
+  kWindows,
+  /// Documents of random lengths packed into batch_size rows of block_size
+  /// characters (sample_packed_char_batch), each row attending through
+  /// packed_documents_block_mask with positions restarting per document.
+  kPacked,
+  /// The same documents one per row, padded to the longest
+  /// (pad_documents), the padding masked as keys: the same loss as kPacked
+  /// (within float rounding), for comparison.
+  kPadded,
+};
+
+/// CharLMTask's training batches: windows (the default) or documents.
+struct CharDocumentOptions {
+  /// How batches are made.
+  TORCH_ARG(CharBatching, batching) = CharBatching::kWindows;
+  /// Shortest document drawn, >= 1 (a row's last document is cut to fit);
+  /// 0 (default): block_size / 8, at least 1.
+  TORCH_ARG(int64_t, min_len) = 0;
+  /// Longest document drawn, in [min_len, block_size]; 0 (default):
+  /// block_size.
+  TORCH_ARG(int64_t, max_len) = 0;
+  /// Queries and keys per block of the packed rows' BlockMask (>= 1).
+  TORCH_ARG(int64_t, block) = 32;
+};
+
+/// What CharLMTask::compare_document_layouts measured: forward + backward
+/// of the same documents packed and padded.
+struct LayoutThroughput {
+  /// Document characters per second (padding not counted), packed.
+  double packed_tokens_per_s = 0.0;
+  /// The same, padded.
+  double padded_tokens_per_s = 0.0;
+  /// Document characters of all the batches timed (each layout).
+  int64_t tokens = 0;
+  /// Positions the padded layout computed, padding included (D·L summed).
+  int64_t padded_positions = 0;
+  /// Documents of all the batches.
+  int64_t documents = 0;
+  /// Batches timed (each layout).
+  int64_t batches = 0;
+};
+
 /// The character language model task: next-character prediction on a text.
 class CharLMTask : public TrainTask {
  public:
   /// `model_options.vocab_size()` must equal corpus.vocab.size() and
   /// `model_options.block_size()` is the training context T. Seeds
   /// LibTorch's global generator from `seed` and builds the model on
-  /// `device`. Throws c10::Error on a mismatch or a split shorter than the
-  /// context.
+  /// `device`. `documents`: windows (default) or packed or padded documents
+  /// (their lengths resolved against block_size: documents()). Throws
+  /// c10::Error on a mismatch, a split shorter than the context or document
+  /// lengths outside [1, block_size].
   CharLMTask(CharCorpus corpus, const CharLMOptions& model_options,
              int64_t batch_size, uint64_t seed,
-             torch::Device device = torch::kCPU);
+             torch::Device device = torch::kCPU,
+             const CharDocumentOptions& documents = {});
 
   std::string name() const override;
   torch::nn::Module& model() override { return *model_; }
   int64_t batch_size() const override { return batch_size_; }
+  /// Windows: the mean over every character of this shard's rows. Packed
+  /// and padded: the mean over the characters with a target (each
+  /// document's last one has none); BatchLoss::tokens counts those.
   BatchLoss training_loss(int64_t step) override;
   /// Over this shard's windows of the validation part, cut into
   /// consecutive windows of block_size characters (with one shard, every
-  /// character after the first of a window is predicted once).
+  /// character after the first of a window is predicted once), whatever the
+  /// batching.
   LossSum validation_loss_sum() override;
   std::string fingerprint() const override;
+
+  /// The documents of step `step`'s training batch (this task's lengths,
+  /// all batch_size rows; a pure function of the seed and step, whatever the
+  /// batching).
+  PackedCharBatch documents_of_step(int64_t step) const;
+
+  /// The loss of `batch`'s rows: the mean cross-entropy over the
+  /// characters with a target (BatchLoss::tokens counts them), with a
+  /// gradient, in the model's current mode. Packed: the rows as they are,
+  /// through packed_documents_block_mask(batch.lengths, documents().block())
+  /// with batch.positions; padded: pad_documents(batch), the padding masked.
+  /// Both give each document the loss it would get alone (within float
+  /// rounding).
+  BatchLoss document_loss(const PackedCharBatch& batch, bool padded);
+
+  /// Times forward + backward (training mode; gradients discarded, no
+  /// optimizer step, the weights unchanged) on the documents of steps
+  /// 1..batches (documents_of_step), packed and padded alternately: how much
+  /// packing gains over padding on the same documents. Document characters
+  /// per second count no padding. Leaves the model in training mode with no
+  /// gradients. Throws c10::Error unless batches >= 1.
+  LayoutThroughput compare_document_layouts(int64_t batches);
+
+  /// The batching and the resolved document lengths.
+  const CharDocumentOptions& documents() const { return documents_; }
 
   /// unigram_baseline(corpus()).
   double unigram_baseline() const;
@@ -190,6 +268,7 @@ class CharLMTask : public TrainTask {
   int64_t batch_size_;
   uint64_t seed_;
   torch::Device device_;
+  CharDocumentOptions documents_;
   CharLM model_;
 };
 
