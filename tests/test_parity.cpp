@@ -37,8 +37,10 @@ TEST_F(ParityTest, DefaultMatrixHasThirtyNamedCasesThatPass) {
       EXPECT_TRUE(r.torch_nn.used) << c.name;
       EXPECT_FALSE(r.torch_nn.within) << c.name;
     } else if (r.note.rfind("float64 only", 0) == 0) {
-      // Options torch::nn's layers lack (norm_first, bias=false).
-      EXPECT_TRUE(c.encoder_layer || c.decoder_layer || c.transformer)
+      // Options torch::nn's layers lack (norm_first, bias=false), and
+      // FlexAttention's score_mod.
+      EXPECT_TRUE(c.encoder_layer || c.decoder_layer || c.transformer ||
+                  !c.flex.empty())
           << c.name;
       EXPECT_FALSE(r.torch_nn.used) << c.name;
     } else {

@@ -78,16 +78,21 @@ using MaskMod = std::function<torch::Tensor(
 /// is never full. A default-constructed BlockMask is no mask (every key
 /// visible); build one with create_block_mask or create_document_block_mask.
 struct BlockMask {
-  int64_t q_len = 0, kv_len = 0;      ///< the lengths it was made for
-  int64_t block_q = 0, block_kv = 0;  ///< rows and keys per block
-  /// int32 (B, H, nq): the partial key blocks of each query block, and
-  /// int32 (B, H, nq, nkv): their indices, ascending, in the first
-  /// kv_num_blocks entries of each row (the rest: the other blocks, as
-  /// Python pads them). nq = ceil(q_len / block_q), nkv = ceil(kv_len /
-  /// block_kv).
-  torch::Tensor kv_num_blocks, kv_indices;
-  /// The same for the full blocks (undefined: none).
-  torch::Tensor full_kv_num_blocks, full_kv_indices;
+  int64_t q_len = 0;     ///< the query length it was made for
+  int64_t kv_len = 0;    ///< the key length it was made for
+  int64_t block_q = 0;   ///< query rows per block
+  int64_t block_kv = 0;  ///< keys per block
+  /// int32 (B, H, nq): the number of partial key blocks of each query
+  /// block; nq = ceil(q_len / block_q).
+  torch::Tensor kv_num_blocks;
+  /// int32 (B, H, nq, nkv): the partial blocks' indices, ascending, in the
+  /// first kv_num_blocks entries of each row (the rest: the other blocks,
+  /// as Python pads them); nkv = ceil(kv_len / block_kv).
+  torch::Tensor kv_indices;
+  /// As kv_num_blocks, for the full blocks (undefined: none).
+  torch::Tensor full_kv_num_blocks;
+  /// As kv_indices, for the full blocks (undefined: none).
+  torch::Tensor full_kv_indices;
   /// The predicate the partial blocks are evaluated with.
   MaskMod mask_mod;
 

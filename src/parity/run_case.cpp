@@ -530,7 +530,7 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
   std::string nn_threw;
   if (options.score_mod()) {
     // torch::nn has no score_mod: float64 alone.
-    result.note = "score_mod: against the float64 reference";
+    result.note = "float64 only: torch::nn has no score_mod";
   } else {
     nn_parts = run_reference(
         [&] { return run_torch_nn(c, pristine, in, loss_of, result.note); },
