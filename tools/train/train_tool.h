@@ -42,7 +42,7 @@ struct Args {
   std::string positions = "rotary";
   bool packed = false, padded = false;
   std::optional<int64_t> doc_min_len, doc_max_len;
-  int64_t doc_block = 32;
+  int64_t doc_block = 64;
   int64_t compare_batches = 10;
   bool no_kv_cache = false;
   std::string plot_dir;

@@ -263,7 +263,7 @@ TORCH_MODULE(CharLM);
 /// every row with the same sum T. Throws c10::Error for no rows, rows of
 /// different sums or bad lengths.
 BlockMask packed_documents_block_mask(
-    const std::vector<torch::Tensor>& row_lengths, int64_t block = 32);
+    const std::vector<torch::Tensor>& row_lengths, int64_t block = 64);
 
 /// How generate() picks each next character.
 struct SamplingOptions {

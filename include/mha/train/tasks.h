@@ -166,7 +166,9 @@ struct CharDocumentOptions {
   /// block_size.
   TORCH_ARG(int64_t, max_len) = 0;
   /// Queries and keys per block of the packed rows' BlockMask (>= 1).
-  TORCH_ARG(int64_t, block) = 32;
+  /// Default 64, mha-train's context: one block a row, which the blocked
+  /// core computed faster than blocks of 32 or 16 (docs/training.md).
+  TORCH_ARG(int64_t, block) = 64;
 };
 
 /// What CharLMTask::compare_document_layouts measured: forward + backward
