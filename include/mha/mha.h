@@ -7,6 +7,7 @@
 #include "mha/attention.h"
 #include "mha/hf.h"
 #include "mha/kv_cache.h"
+#include "mha/linear_attention.h"
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"
 #include "mha/plot.h"
