@@ -87,10 +87,13 @@ void add_options(CLI::App& app, Args& args) {
                  "256-character prompt, KV cache vs recomputation; and "
                  "batched-decode), batched-decode (B prompts of different "
                  "lengths through one left-padded KV cache vs one at a "
-                 "time, tokens/s, outputs compared), none; default: all")
+                 "time, tokens/s, outputs compared), linear (each "
+                 "attention_kind against the softmax core, L = 1k..64k, "
+                 "time and peak memory, and decoding ms/token: minutes; "
+                 "only when named), none; default: all but linear")
       ->delimiter(',')
-      ->check(CLI::IsMember(
-          {"projections", "window", "generation", "batched-decode", "none"}));
+      ->check(CLI::IsMember({"projections", "window", "generation",
+                             "batched-decode", "linear", "none"}));
   app.add_option("--memory-child", args.memory_child_spec)->group("");
   app.add_flag("--plant-fault", args.plant_fault,
                "self-test: shift one bias of mha's and the SDPA contender's "

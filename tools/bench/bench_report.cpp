@@ -553,6 +553,11 @@ Variants run_variants(const Args& args, const Plan& plan,
     v.batched_decode = batched_decode_table(args.quick, settings, failed);
     v.generation_differs = v.generation_differs || failed;
   }
+  // Named only: its long rows take minutes (bench_linear.cpp).
+  if (std::find(args.variant_texts.begin(), args.variant_texts.end(),
+                "linear") != args.variant_texts.end()) {
+    v.linear = linear_table(args.quick, settings);
+  }
   return v;
 }
 
@@ -705,6 +710,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
   doc["window"] = variants.window;
   doc["generation"] = variants.generation;
   doc["batched_decode"] = variants.batched_decode;
+  doc["linear"] = variants.linear;
   doc["summary"] = {
       {"rows", rows.size()},
       {"results_differ", summary.wrong},

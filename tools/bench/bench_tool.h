@@ -107,12 +107,21 @@ struct Variants {
   nlohmann::json window = nullptr;
   nlohmann::json generation = nullptr;
   nlohmann::json batched_decode = nullptr;
+  /// --variants linear only (never part of the default): linear_table.
+  nlohmann::json linear = nullptr;
   /// The char LM's cached characters differ from the recomputed ones, or
   /// batched decoding's outputs from one sequence at a time's.
   bool generation_differs = false;
 };
 Variants run_variants(const Args& args, const Plan& plan,
                       const Settings& settings);
+
+/// The linear-cost attention table (bench_linear.cpp): each attention_kind
+/// against mha's softmax core, L = 1k..64k (--quick: 64, 128), time and
+/// peak memory of the forward (inference) and forward+backward, the
+/// crossover and growth lines, and decoding ms/token at cache lengths
+/// 1k..64k; measured, printed, and its JSON.
+nlohmann::json linear_table(bool quick, const Settings& settings);
 
 /// What the rows add up to.
 struct Summary {
