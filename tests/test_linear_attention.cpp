@@ -186,7 +186,7 @@ TEST_F(LinearAttentionTest, NonCausalEqualsDenseForm) {
 
 // Causal: the blockwise prefix sums equal the masked dense form, for
 // lengths below, at and across block boundaries, L != S both ways, and a
-// feature map of more features (F = 80: blocks of 96).
+// feature map of more features (F = 80).
 TEST_F(LinearAttentionTest, CausalPrefixSumsEqualMaskedDenseForm) {
   const std::vector<std::pair<int64_t, int64_t>> lengths = {
       {1, 1}, {63, 63}, {64, 64}, {65, 65}, {200, 200}, {150, 90}, {70, 130}};

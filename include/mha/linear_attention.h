@@ -72,11 +72,10 @@ torch::Tensor elu_feature_map(const torch::Tensor& x);
 /// the sums over every key j, or with is_causal over j <= i (top-left
 /// alignment as mha::causal_mask: key j <= query i). Never forms the (L, S)
 /// weights: the non-causal form costs O((L + S)·F·Dv); the causal form is
-/// computed by prefix sums over blocks of C rows (C = 64, or F or Dv
-/// rounded up to 32 when larger, at most 256; within a block the masked
-/// (C, C) product of eq. 4, across blocks the running sums of eq. 10-11),
-/// O(L·(C + F)·Dv) time and O(L·(C + F + Dv) + (L / C)·F·Dv) memory per
-/// leading index: no (L, S) and no (L, F, Dv) tensor.
+/// computed by prefix sums over blocks of C = 64 rows (within a block the
+/// masked (C, C) product of eq. 4, across blocks the running sums of eq.
+/// 10-11), O(L·(C·(F + Dv) + F·Dv)) time and O(L·(C + F + Dv + F·Dv / C))
+/// memory per leading index: no (L, S) and no (L, F, Dv) tensor.
 ///
 /// Args:
 ///   query: (..., L, D) floating (float32, float64, or a reduced type the

@@ -117,12 +117,8 @@ torch::Tensor read_sums(const Features& queries, const LinearSums& sums) {
   return safe_divide(num, den);                           // (..., L, Dv)
 }
 
-int64_t causal_block_length(int64_t features, int64_t value_features) {
-  const int64_t wider = std::max(features, value_features);
-  if (wider <= 64) {
-    return 64;
-  }
-  return std::min<int64_t>(256, (wider + 31) / 32 * 32);
+int64_t causal_block_length(int64_t /*features*/, int64_t /*value_features*/) {
+  return 64;
 }
 
 torch::Tensor causal_linear_attention(const Features& queries,

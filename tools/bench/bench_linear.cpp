@@ -199,42 +199,48 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
     }
   }
 
-  // Where the causal linear kinds overtake softmax, and their growth over
-  // the last doubling steps (8k -> 64k by default).
+  // Where the causal linear kinds overtake softmax (the shortest L from
+  // which they are faster at every length both measured), and their
+  // growth from 8k (--quick: the first length) to their longest length.
   nlohmann::json summary;
   const int64_t from = quick ? lengths.front() : 8192;
-  const int64_t to = lengths.back();
   for (const char* name : {"linear", "performer"}) {
+    auto& ours = forward[name];
+    auto& theirs = forward["softmax"];
     int64_t crossover = 0;
-    for (const auto L : lengths) {
-      const auto s = forward["softmax"].find(L);
-      const auto l = forward[name].find(L);
-      if (s != forward["softmax"].end() && l != forward[name].end() &&
-          l->second.ms < s->second.ms) {
-        crossover = L;
+    for (auto it = lengths.rbegin(); it != lengths.rend(); ++it) {
+      if (!ours.count(*it) || !theirs.count(*it)) {
+        continue;
+      }
+      if (ours[*it].ms >= theirs[*it].ms) {
         break;
       }
+      crossover = *it;
     }
-    const auto ratio = [&](std::map<int64_t, LinearRun>& by, bool mib) {
-      if (!by.count(from) || !by.count(to)) {
+    const int64_t to = ours.empty() ? 0 : ours.rbegin()->first;
+    const auto growth = [&](std::map<int64_t, LinearRun>& by, bool mib) {
+      if (!by.count(from) || !by.count(to) || to <= from) {
         return -1.0;
       }
       const double a = mib ? by[from].peak_mib : by[from].ms;
       const double z = mib ? by[to].peak_mib : by[to].ms;
       return a > 0 && z >= 0 ? z / a : -1.0;
     };
-    const double tf = ratio(forward[name], false);
-    const double tb = ratio(backward[name], false);
-    const double mf = ratio(forward[name], true);
-    const double mb = ratio(backward[name], true);
+    const auto text = [](double x) {
+      return x < 0 ? std::string("n/a") : fmt::format("x{:.2f}", x);
+    };
+    const double tf = growth(forward[name], false);
+    const double tb = growth(backward[name], false);
+    const double mf = growth(forward[name], true);
+    const double mb = growth(backward[name], true);
     fmt::print(
-        "{}: causal forward faster than softmax's from L = {}; L {} -> {} "
-        "(x{}): time x{:.2f} fwd, x{:.2f} fwd+bwd; peak x{} fwd, x{} "
-        "fwd+bwd\n",
+        "{}: causal forward faster than softmax's from L = {} on; L {} -> {} "
+        "(x{}): time {} fwd, {} fwd+bwd; peak {} fwd, {} fwd+bwd\n",
         name, crossover > 0 ? std::to_string(crossover) : "-", from, to,
-        to / from, tf, tb, mf < 0 ? "n/a" : fmt::format("{:.2f}", mf),
-        mb < 0 ? "n/a" : fmt::format("{:.2f}", mb));
+        to > from ? to / from : 0, text(tf), text(tb), text(mf), text(mb));
     summary[name] = {{"crossover_L", crossover},
+                     {"growth_from_L", from},
+                     {"growth_to_L", to},
                      {"time_growth_forward", tf},
                      {"time_growth_forward_backward", tb},
                      {"peak_growth_forward", mf},
