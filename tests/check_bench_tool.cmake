@@ -296,6 +296,25 @@ foreach(i RANGE 4)
             "max |flex - built-in| ${f_diff}")
   endif()
 endforeach()
+# Only the linear-cost attention table (--quick: L = 64, 128): a row per
+# kind and length, and the decoding rows.
+expect_exit(0 --quick --config 1,8,8,2 --mode inference --gemm-size 32
+            --variants linear --json ${WORK_DIR}/linear.json)
+file(READ ${WORK_DIR}/linear.json linear_json)
+string(JSON window_type TYPE "${linear_json}" window)
+string(JSON linear_rows LENGTH "${linear_json}" linear rows)
+string(JSON decode_rows LENGTH "${linear_json}" linear decoding)
+string(JSON first_kind GET "${linear_json}" linear rows 0 kind)
+string(JSON last_kind GET "${linear_json}" linear rows 7 kind)
+string(JSON performer_ms GET "${linear_json}" linear decoding 1 performer_ms)
+if(NOT window_type STREQUAL "NULL" OR NOT linear_rows EQUAL 8 OR
+   NOT decode_rows EQUAL 2 OR NOT first_kind STREQUAL "softmax" OR
+   NOT last_kind STREQUAL "linformer" OR NOT performer_ms GREATER 0)
+  message(FATAL_ERROR "--variants linear: window ${window_type}, "
+          "${linear_rows} rows (expected 8, softmax first, linformer last: "
+          "${first_kind}, ${last_kind}), ${decode_rows} decoding rows "
+          "(expected 2; performer ${performer_ms} ms)")
+endif()
 
 # Only the projections table: a row per configuration with L <= 256 and
 # self-attention mode (not encoder), each with its three medians.

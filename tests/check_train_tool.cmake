@@ -163,6 +163,33 @@ expect_usage_error("1 <= --doc-min-len <= --doc-max-len <= --context = 64, got 8
 expect_usage_error("--doc-min-len and --doc-max-len need --packed or --padded"
                    --task charlm --doc-min-len 3)
 run_tool(2 --task charlm --text ${WORK_DIR}/cats.txt --positions absolute)
+
+# --attention: the linear-cost kinds on the tiny runs, and their refusals.
+expect_usage_error("--attention linformer cannot be causal" --task charlm
+                   --text ${WORK_DIR}/cats.txt --attention linformer)
+expect_usage_error("--attention applies to --task reverse, sort and charlm"
+                   --task add --attention linear)
+expect_usage_error("--projected-length needs --attention linformer"
+                   --projected-length 3)
+expect_usage_error("--attention performer never forms the attention maps"
+                   --task charlm --text ${WORK_DIR}/cats.txt
+                   --attention performer --plot-attention maps)
+run_tool(0 ${tiny} --out linformer --attention linformer --projected-length 3)
+if(NOT last_out MATCHES "attention: linformer" OR
+   NOT last_out MATCHES "held-out accuracy: [0-9.]+% of 100 sequences")
+  message(FATAL_ERROR "--attention linformer: no attention or accuracy "
+                      "line in:\n${last_out}")
+endif()
+run_tool(0 --task charlm --text ${WORK_DIR}/cats.txt --context 32 --d-model 32
+         --heads 2 --layers 1 --batch-size 8 --steps 20 --warmup 2
+         --sample-len 30 --prompt "the " --out charlm-performer
+         --attention performer)
+if(NOT last_out MATCHES "attention: performer" OR
+   NOT last_out MATCHES "validation loss [0-9.]+ nats/char" OR
+   NOT last_out MATCHES "30 characters in [0-9.]+ s, KV cache\\):\nthe ")
+  message(FATAL_ERROR "--attention performer: no attention, loss or sample "
+                      "line in:\n${last_out}")
+endif()
 file(READ ${WORK_DIR}/maps/layer0.svg svg)
 string(REGEX MATCHALL "class=\"cell masked\"" masked "${svg}")
 list(LENGTH masked masked_count)

@@ -182,6 +182,21 @@ TEST(GuideBlocks, flex_packed) {
   EXPECT_FALSE(w.defined());
 }
 
+// docs/linear.md
+TEST(GuideBlocks, linear_attention) {
+  torch::manual_seed(0);
+#include "guide_linear_attention.inc"
+  EXPECT_EQ(heads.sizes(), torch::IntArrayRef({1, 4, 4096, 32}));
+  EXPECT_EQ(y.sizes(), torch::IntArrayRef({2, 1000, 128}));
+  EXPECT_FALSE(none.defined());
+  EXPECT_EQ(prompt.sizes(), torch::IntArrayRef({2, 999, 128}));
+  EXPECT_TRUE(torch::allclose(last, y.narrow(1, 999, 1), 1e-4, 1e-5));
+  EXPECT_EQ(cache.kv_state().sizes(), torch::IntArrayRef({2, 4, 64, 32}));
+  EXPECT_EQ(cache.size(), 1000);
+  EXPECT_EQ(z.sizes(), torch::IntArrayRef({2, 300, 128}));
+  EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 300, 64}));
+}
+
 // docs/decoding.md
 TEST(GuideBlocks, kv_cache) {
   torch::manual_seed(0);

@@ -21,7 +21,9 @@
 #include "mha/multi_head_attention.h"
 #include "test_helpers.h"
 
-namespace {
+// Named, not anonymous: in a unity batch, the files after this one declare
+// locals N, H, L... that would shadow these constants.
+namespace nonfinite_test {
 
 using mha::detail::AttentionResult;
 using mha::detail::KeyPositions;
@@ -497,4 +499,4 @@ TEST_F(NonFiniteTest, CachedDecodingPropagatesNaN) {
   }
 }
 
-}  // namespace
+}  // namespace nonfinite_test

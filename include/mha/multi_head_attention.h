@@ -17,6 +17,7 @@
 
 #include "mha/flex_attention.h"
 #include "mha/kv_cache.h"
+#include "mha/linear_attention.h"
 #include "mha/positions.h"
 
 namespace mha {
@@ -112,6 +113,38 @@ struct MultiHeadAttentionOptions {
   /// kRelative: separate buckets for keys after the query (T5's encoder,
   /// default true) or not (T5's decoder, for causal attention).
   TORCH_ARG(bool, relative_bidirectional) = true;
+  /// The attention between the projections (mha/linear_attention.h):
+  /// kSoftmax (default), or a linear-cost kind: kLinear (Katharopoulos et
+  /// al., 2020), kPerformer (FAVOR+, Choromanski et al., 2021), kLinformer
+  /// (Wang et al., 2020). kLinear and kPerformer never form the weights
+  /// (need_weights=false is required), take key_padding_mask and is_causal
+  /// but no attn_mask, and decode with a constant-size state
+  /// (forward_cached); kLinformer is non-causal only. None of them takes
+  /// add_bias_kv, add_zero_attn, window or position_bias; kLinear and
+  /// kPerformer take no dropout (there are no weights to drop). `scale`:
+  /// kPerformer estimates exp(q·k · scale), kLinformer's softmax uses it,
+  /// kLinear has none (it must stay unset). Not in torch::nn. Checked by
+  /// reset().
+  TORCH_ARG(AttentionKind, attention_kind) = AttentionKind::kSoftmax;
+  /// kLinear: the feature map φ (mha::FeatureMap); empty (default):
+  /// elu(x) + 1 (Katharopoulos et al., 2020).
+  TORCH_ARG(FeatureMap, feature_map) = {};
+  /// kPerformer: random features per head, m; 0 (default): the paper's
+  /// round(head_dim · ln(head_dim)) (at least 1).
+  TORCH_ARG(int64_t, nb_features) = 0;
+  /// kPerformer: the seed of the orthogonal random features
+  /// (mha::orthogonal_random_features), drawn by reset_parameters() and
+  /// redraw_features().
+  TORCH_ARG(uint64_t, feature_seed) = 0;
+  /// kLinformer: k, the rows keys and values are projected to along the
+  /// sequence (>= 1).
+  TORCH_ARG(int64_t, projected_length) = 0;
+  /// kLinformer: n, the longest key sequence (>= 1); a sequence of S < n
+  /// keys uses the first S columns of the projections.
+  TORCH_ARG(int64_t, max_length) = 0;
+  /// kLinformer: one projection proj_k for keys and values (true, the
+  /// paper's key-value sharing), or proj_k and proj_v.
+  TORCH_ARG(bool, share_kv_projection) = true;
   /// Softmax scale: the scores are (Q_h · K_hᵀ) · scale. nullopt (default):
   /// 1 / sqrt(head_dim) (Vaswani et al., 2017, and torch::nn). T5 uses 1.0
   /// (no scaling; Raffel et al., 2020, and transformers' T5Attention). The
@@ -340,6 +373,24 @@ class MultiHeadAttentionImpl
   /// position_bias kRelative: weight (relative_num_buckets, H), one learned
   /// bias per bucket and head (T5's name), initialised N(0, E^-1/2) as T5.
   torch::nn::Embedding relative_attention_bias = nullptr;
+
+  /// kLinformer: E (projected_length, max_length), the projection of the
+  /// keys along the sequence (and of the values when share_kv_projection),
+  /// initialised as the authors' fairseq code: xavier_uniform, gain 1/√2.
+  torch::Tensor proj_k;
+  /// kLinformer without share_kv_projection: F (projected_length,
+  /// max_length), the values' projection.
+  torch::Tensor proj_v;
+  /// kPerformer: the buffer (nb_features, head_dim) of orthogonal random
+  /// features (mha::orthogonal_random_features from feature_seed), shared
+  /// by the heads; in the state dict, so a loaded module reproduces the
+  /// outputs of the saved one.
+  torch::Tensor random_features;
+  /// kPerformer: draws new random features from `seed` into
+  /// random_features (same dtype and device) and records the seed in
+  /// options.feature_seed (the paper redraws them during training; mha
+  /// only on request). Throws c10::Error for another attention_kind.
+  void redraw_features(uint64_t seed);
 };
 
 /// Holder of MultiHeadAttentionImpl (module semantics as torch::nn).

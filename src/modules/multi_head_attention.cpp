@@ -9,6 +9,7 @@
 #include "core/attention_core.h"
 #include "core/blas_threads.h"
 #include "mha/masks.h"
+#include "modules/linear_attention_module.h"
 #include "modules/module_inputs.h"
 #include "modules/module_positions.h"
 #include "modules/projection.h"
@@ -167,6 +168,7 @@ void MultiHeadAttentionImpl::reset() {
         "relative_attention_bias",
         torch::nn::Embedding(options.relative_num_buckets(), H));
   }
+  detail::reset_attention_kind(*this);  // linear_attention_module.h
   reset_parameters();
 }
 
@@ -194,6 +196,7 @@ void MultiHeadAttentionImpl::reset_parameters() {
     relative_attention_bias->weight.normal_(
         0.0, 1.0 / std::sqrt(static_cast<double>(options.embed_dim())));
   }
+  detail::reset_attention_kind_parameters(*this);
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
@@ -248,6 +251,7 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
            << ", max_distance=" << options.relative_max_distance()
            << (options.relative_bidirectional() ? ")" : ", unidirectional)");
   }
+  detail::print_attention_kind(*this, stream);
   if (options.scale().has_value()) {
     stream << ", scale=" << *options.scale();
   }
@@ -306,6 +310,16 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     bool need_weights, const torch::Tensor& attn_mask,
     bool average_attn_weights, bool is_causal, const torch::Tensor& positions,
     const BlockMask& block_mask) {
+  if (detail::linear_kind(*this)) {  // linear_attention_module.h
+    TORCH_CHECK(block_mask.empty(),
+                "MultiHeadAttention: block_mask is not supported with "
+                "attention_kind kLinear, kPerformer or kLinformer (a block "
+                "mask selects blocks of the (L, S) scores, which "
+                "this kind never forms); use key_padding_mask or is_causal");
+    return detail::linear_kind_forward(
+        *this, query, key, value, key_padding_mask, need_weights, attn_mask,
+        average_attn_weights, is_causal, positions);
+  }
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
   // Self-attention is decided by the arguments, never by comparing data.
   const bool self_attention =
@@ -401,6 +415,11 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
     const torch::Tensor& query, KVCache& cache, bool is_causal,
     bool need_weights, bool average_attn_weights,
     const torch::Tensor& key_padding_mask, const torch::Tensor& positions) {
+  if (detail::linear_kind(*this)) {  // linear_attention_module.h
+    return detail::linear_kind_forward_cached(
+        *this, query, cache, is_causal, need_weights, average_attn_weights,
+        key_padding_mask, positions);
+  }
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
   TORCH_CHECK(!options.add_bias_kv() && !options.add_zero_attn(),
               "MultiHeadAttention::forward_cached: add_bias_kv and "
@@ -521,6 +540,11 @@ MultiHeadAttentionImpl::forward_projected(const torch::Tensor& query,
                                           const torch::Tensor& key_padding_mask,
                                           bool need_weights,
                                           bool average_attn_weights) {
+  if (detail::linear_kind(*this)) {  // linear_attention_module.h
+    return detail::linear_kind_forward_projected(*this, query, key_value,
+                                                 key_padding_mask, need_weights,
+                                                 average_attn_weights);
+  }
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
   detail::check_projectable(*this, "forward_projected");
   const int64_t E = options.embed_dim();
@@ -574,6 +598,9 @@ MultiHeadAttentionImpl::forward_projected(const torch::Tensor& query,
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch_size,
                                               int64_t capacity) const {
+  if (detail::linear_kind(*this)) {  // linear_attention_module.h
+    return detail::linear_kind_kv_cache(*this, batch_size, capacity);
+  }
   return KVCache(batch_size, num_kv_heads(), capacity, head_dim,
                  out_proj->weight.options());
 }

@@ -78,6 +78,11 @@ void check_options(const torch::nn::MultiheadAttentionOptions& ref,
   check("bias", ref.bias(), ours.options.bias());
   check("add_bias_kv", ref.add_bias_kv(), ours.options.add_bias_kv());
   check("add_zero_attn", ref.add_zero_attn(), ours.options.add_zero_attn());
+  TORCH_CHECK(ours.options.attention_kind() == AttentionKind::kSoftmax,
+              "copy_weights: option attention_kind must be kSoftmax, the "
+              "attention of torch::nn::MultiheadAttention, but mha's module "
+              "has ",
+              to_string(ours.options.attention_kind()));
 }
 
 }  // namespace

@@ -43,6 +43,22 @@ void DigitTransformerImpl::reset() {
           .dim_feedforward(options.dim_feedforward())
           .dropout(options.dropout())
           .norm_first(true));
+  const auto kind = options.attention_kind();
+  if (kind != AttentionKind::kSoftmax) {
+    // The layer's self-attention replaced before the encoder copies it
+    // (the copies keep the replacement: Cloneable clones every child).
+    auto attention =
+        MultiHeadAttentionOptions(E, options.nhead()).attention_kind(kind);
+    if (kind == AttentionKind::kLinformer) {
+      attention.dropout(options.dropout())
+          .projected_length(options.projected_length() > 0
+                                ? options.projected_length()
+                                : std::max<int64_t>(1, options.max_len() / 2))
+          .max_length(options.max_len());
+    }
+    layer->self_attn =
+        layer->replace_module("self_attn", MultiHeadAttention(attention));
+  }
   encoder = register_module(
       "encoder",
       TransformerEncoder(
@@ -108,6 +124,10 @@ void check_char_lm_options(const CharLMOptions& o) {
               " and n_head ", o.n_head());
   TORCH_CHECK(o.dropout() >= 0.0 && o.dropout() < 1.0,
               "CharLM: dropout must be in [0, 1), but got ", o.dropout());
+  TORCH_CHECK(o.attention_kind() != AttentionKind::kLinformer,
+              "CharLM: attention_kind kLinformer cannot be causal (its "
+              "projection along the sequence mixes later positions into "
+              "earlier ones); use kSoftmax, kLinear or kPerformer");
 }
 
 }  // namespace
@@ -120,10 +140,17 @@ void GPTBlockImpl::reset() {
   check_char_lm_options(options);
   const int64_t E = options.n_embd();
   ln_1 = register_module("ln_1", LayerNorm(LayerNormOptions(E)));
-  auto attn_options =
-      MultiHeadAttentionOptions(E, options.n_head()).dropout(options.dropout());
+  // The linear kinds form no weights to drop, and have no window: they
+  // attend to the whole prefix.
+  const bool softmax = options.attention_kind() == AttentionKind::kSoftmax;
+  auto attn_options = MultiHeadAttentionOptions(E, options.n_head())
+                          .dropout(softmax ? options.dropout() : 0.0)
+                          .attention_kind(options.attention_kind());
   if (options.rotary()) {
-    attn_options.rotary(true).window(options.block_size());
+    attn_options.rotary(true);
+    if (softmax) {
+      attn_options.window(options.block_size());
+    }
   }
   attn = register_module("attn", MultiHeadAttention(attn_options));
   ln_2 = register_module("ln_2", LayerNorm(LayerNormOptions(E)));

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <string>
 #include <utility>
 
 #include "common.h"
@@ -22,6 +23,22 @@ using detail::masked_cross_entropy_sum;
 using detail::printf_string;
 
 // ------------------------------------------------------------ tasks ---
+
+namespace {
+
+/// " attention=linear" (and Linformer's k) for a kind other than softmax,
+/// "" for softmax: the fingerprints of softmax models stay as they were.
+std::string attention_suffix(AttentionKind kind, int64_t projected_length) {
+  if (kind == AttentionKind::kSoftmax) {
+    return "";
+  }
+  return std::string(" attention=") + to_string(kind) +
+         (kind == AttentionKind::kLinformer
+              ? " projected_length=" + std::to_string(projected_length)
+              : "");
+}
+
+}  // namespace
 
 std::pair<int64_t, int64_t> Shard::rows(int64_t rows) const {
   return {rows * index / count, rows * (index + 1) / count};
@@ -130,7 +147,7 @@ std::string DigitTask::fingerprint() const {
   return printf_string(
       "task=%s min_len=%lld max_len=%lld d_model=%lld nhead=%lld "
       "num_layers=%lld dim_feedforward=%lld dropout=%s batch_size=%lld "
-      "seed=%llu",
+      "seed=%llu%s",
       data_.rule() == DigitRule::kReverse ? "reverse" : "sort",
       static_cast<long long>(data_.min_len()),
       static_cast<long long>(data_.max_len()),
@@ -138,7 +155,8 @@ std::string DigitTask::fingerprint() const {
       static_cast<long long>(m.num_layers()),
       static_cast<long long>(m.dim_feedforward()),
       exact_decimal(m.dropout()).c_str(), static_cast<long long>(batch_size_),
-      static_cast<unsigned long long>(seed_));
+      static_cast<unsigned long long>(seed_),
+      attention_suffix(m.attention_kind(), m.projected_length()).c_str());
 }
 
 CharLMTask::CharLMTask(CharCorpus corpus, const CharLMOptions& model_options,
@@ -311,7 +329,7 @@ std::string CharLMTask::fingerprint() const {
   auto fingerprint = printf_string(
       "task=charlm text_chars=%lld val_chars=%lld text_fnv1a=%016llx "
       "block_size=%lld n_embd=%lld n_head=%lld n_layer=%lld dropout=%s "
-      "positions=%s batch_size=%lld seed=%llu",
+      "positions=%s batch_size=%lld seed=%llu%s",
       static_cast<long long>(corpus_.train.size(0) + corpus_.val.size(0)),
       static_cast<long long>(corpus_.val.size(0)),
       static_cast<unsigned long long>(fnv1a(
@@ -320,7 +338,8 @@ std::string CharLMTask::fingerprint() const {
       static_cast<long long>(m.n_embd()), static_cast<long long>(m.n_head()),
       static_cast<long long>(m.n_layer()), exact_decimal(m.dropout()).c_str(),
       m.rotary() ? "rotary" : "learned", static_cast<long long>(batch_size_),
-      static_cast<unsigned long long>(seed_));
+      static_cast<unsigned long long>(seed_),
+      attention_suffix(m.attention_kind(), 0).c_str());
   // Windows add nothing: their checkpoints stay resumable.
   const auto batching = documents_.batching();
   if (batching != CharBatching::kWindows) {

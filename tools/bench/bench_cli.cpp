@@ -90,10 +90,13 @@ void add_options(CLI::App& app, Args& args) {
                  "time, tokens/s, outputs compared), flex (FlexAttention "
                  "calls against the built-in options, L = 1024..16384, "
                  "forward and forward+backward, peak memory; only when "
-                 "named), none; default: all but flex")
+                 "named), linear (each attention_kind against the softmax "
+                 "core, L = 1k..64k, time and peak memory, and decoding "
+                 "ms/token: minutes; only when named), none; default: all "
+                 "but flex and linear")
       ->delimiter(',')
       ->check(CLI::IsMember({"projections", "window", "generation",
-                             "batched-decode", "flex", "none"}));
+                             "batched-decode", "flex", "linear", "none"}));
   app.add_option("--memory-child", args.memory_child_spec)->group("");
   app.add_flag("--plant-fault", args.plant_fault,
                "self-test: shift one bias of mha's and the SDPA contender's "

@@ -478,6 +478,7 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
   doc["flex"] = variants.flex;
   doc["generation"] = variants.generation;
   doc["batched_decode"] = variants.batched_decode;
+  doc["linear"] = variants.linear;
   doc["summary"] = {
       {"rows", rows.size()},
       {"results_differ", summary.wrong},

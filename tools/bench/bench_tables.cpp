@@ -247,6 +247,10 @@ Variants run_variants(const Args& args, const Plan& plan,
   if (named("flex") && !settings.device.is_cuda()) {
     v.flex = flex_table(args.quick, settings);
   }
+  // Minutes (L up to 64k): only when named (bench_linear.cpp).
+  if (named("linear")) {
+    v.linear = linear_table(args.quick, settings);
+  }
   return v;
 }
 

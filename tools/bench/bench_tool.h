@@ -108,6 +108,8 @@ struct Variants {
   nlohmann::json generation = nullptr;
   nlohmann::json batched_decode = nullptr;
   nlohmann::json flex = nullptr;
+  /// --variants linear only (never part of the default): linear_table.
+  nlohmann::json linear = nullptr;
   /// The char LM's cached characters differ from the recomputed ones, or
   /// batched decoding's outputs from one sequence at a time's.
   bool generation_differs = false;
@@ -118,6 +120,12 @@ Variants run_variants(const Args& args, const Plan& plan,
 /// The flex table (bench_flex.cpp): FlexAttention calls against the
 /// built-in options, CPU; measured, printed, and its JSON rows.
 nlohmann::json flex_table(bool quick, const Settings& settings);
+/// The linear-cost attention table (bench_linear.cpp): each attention_kind
+/// against mha's softmax core, L = 1k..64k (--quick: 64, 128), time and
+/// peak memory of the forward (inference) and forward+backward, the
+/// crossover and growth lines, and decoding ms/token at cache lengths
+/// 1k..64k; measured, printed, and its JSON.
+nlohmann::json linear_table(bool quick, const Settings& settings);
 
 /// What the rows add up to.
 struct Summary {

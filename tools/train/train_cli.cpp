@@ -110,6 +110,15 @@ void add_model_options(CLI::App& app, Args& a) {
                  "feed-forward width of the digit and add models [256] "
                  "(charlm: 4 x d-model)");
   app.add_option("--dropout", a.dropout, "dropout [0 / 0 / 0.1]");
+  app.add_option("--attention", a.attention,
+                 "reverse, sort, charlm: the attention_kind: softmax, linear "
+                 "(elu + 1), performer (FAVOR+) or linformer (reverse and "
+                 "sort only: non-causal)")
+      ->check(CLI::IsMember({"softmax", "linear", "performer", "linformer"}))
+      ->capture_default_str();
+  app.add_option("--projected-length", a.projected_length,
+                 "--attention linformer: k, the rows keys and values are "
+                 "projected to [--max-len / 2]");
   app.add_option("--min-len", a.min_len, "shortest digit sequence")
       ->capture_default_str();
   app.add_option("--max-len", a.max_len, "longest digit sequence")
@@ -273,6 +282,26 @@ std::string check_settings(const Args& a, const Config& c) {
         "{:g} and {}",
         a.sample_len, a.temperature, a.top_k);
   }
+  if (a.attention != "softmax" && c.addition) {
+    return "--attention applies to --task reverse, sort and charlm";
+  }
+  if (a.attention == "linformer" && c.charlm) {
+    return "--attention linformer cannot be causal: use softmax, linear or "
+           "performer with --task charlm";
+  }
+  if (a.projected_length != 0 &&
+      (a.attention != "linformer" || a.projected_length < 0)) {
+    return fmt::format(
+        "--projected-length needs --attention linformer and must be >= 1, "
+        "got {}",
+        a.projected_length);
+  }
+  if (!a.plot_dir.empty() &&
+      (a.attention == "linear" || a.attention == "performer")) {
+    return fmt::format(
+        "--plot-attention: --attention {} never forms the attention maps",
+        a.attention);
+  }
   if (!c.charlm && (!a.plot_dir.empty() || a.plot_length)) {
     return "--plot-attention and --plot-length apply to --task charlm only";
   }
@@ -295,6 +324,13 @@ std::string check_settings(const Args& a, const Config& c) {
   }
   if (a.packed && a.padded) {
     return "--packed and --padded exclude each other";
+  }
+  if (a.packed && a.attention != "softmax") {
+    return fmt::format(
+        "--packed needs --attention softmax (its document mask is a block "
+        "mask of the scores, which --attention {} never forms); --padded "
+        "works with every kind",
+        a.attention);
   }
   if ((a.doc_min_len || a.doc_max_len) && !documents) {
     return "--doc-min-len and --doc-max-len need --packed or --padded";

@@ -169,6 +169,18 @@ bool set_threads(int threads) {
   return mha::detail::set_openblas_threads(threads);
 }
 
+namespace {
+
+/// --attention's kind.
+AttentionKind attention_kind(const std::string& name) {
+  return name == "linear"      ? AttentionKind::kLinear
+         : name == "performer" ? AttentionKind::kPerformer
+         : name == "linformer" ? AttentionKind::kLinformer
+                               : AttentionKind::kSoftmax;
+}
+
+}  // namespace
+
 std::unique_ptr<train::TrainTask> make_task(const Args& args,
                                             const Config& config) {
   try {
@@ -183,7 +195,8 @@ std::unique_ptr<train::TrainTask> make_task(const Args& args,
               .n_head(config.heads)
               .n_layer(config.layers)
               .dropout(config.dropout)
-              .rotary(args.positions == "rotary");
+              .rotary(args.positions == "rotary")
+              .attention_kind(attention_kind(args.attention));
       const auto documents =
           train::CharDocumentOptions()
               .batching(args.packed   ? train::CharBatching::kPacked
@@ -215,12 +228,15 @@ std::unique_ptr<train::TrainTask> make_task(const Args& args,
                                                   : train::DigitRule::kReverse)
                           .min_len(args.min_len)
                           .max_len(args.max_len);
-    const auto model_options = train::DigitTransformerOptions(args.max_len)
-                                   .d_model(config.d_model)
-                                   .nhead(config.heads)
-                                   .num_layers(config.layers)
-                                   .dim_feedforward(config.ff)
-                                   .dropout(config.dropout);
+    const auto model_options =
+        train::DigitTransformerOptions(args.max_len)
+            .d_model(config.d_model)
+            .nhead(config.heads)
+            .num_layers(config.layers)
+            .dim_feedforward(config.ff)
+            .dropout(config.dropout)
+            .attention_kind(attention_kind(args.attention))
+            .projected_length(args.projected_length);
     return std::make_unique<train::DigitTask>(data, model_options, config.batch,
                                               args.seed, config.device);
   } catch (const c10::Error& e) {
@@ -273,6 +289,10 @@ void print_header(const Args& args, const Config& config,
       count_parameters(task.model()), options.steps(), config.batch,
       options.lr(), options.min_lr(), options.warmup_steps(),
       options.out_dir());
+  if (args.attention != "softmax") {
+    fmt::print("attention: {} (MultiHeadAttentionOptions::attention_kind)\n",
+               args.attention);
+  }
   if (char_task != nullptr) {
     fmt::print(
         "text: {} ({} characters, {} distinct); unigram baseline {:.4f} "

@@ -30,6 +30,9 @@ struct Args {
   // Model.
   std::optional<int64_t> d_model, heads, layers, ff;
   std::optional<double> dropout;
+  // The attention of the char LM and the digit tasks (attention_kind).
+  std::string attention = "softmax";
+  int64_t projected_length = 0;
   // Digit tasks.
   int64_t min_len = 1, max_len = 16, eval_sequences = 2000;
   // Addition (encoder-decoder).

@@ -37,6 +37,13 @@ struct DigitTransformerOptions {
   TORCH_ARG(int64_t, dim_feedforward) = 256;
   /// Dropout in the encoder layers (training mode only).
   TORCH_ARG(double, dropout) = 0.0;
+  /// The layers' self-attention (MultiHeadAttentionOptions::attention_kind):
+  /// kSoftmax (default), kLinear, kPerformer or kLinformer (keys and values
+  /// projected to projected_length rows, max_length = max_len). kLinear
+  /// and kPerformer drop no attention weights (they form none).
+  TORCH_ARG(AttentionKind, attention_kind) = AttentionKind::kSoftmax;
+  /// kLinformer: k; 0 (default): max_len / 2 (at least 1).
+  TORCH_ARG(int64_t, projected_length) = 0;
 };
 
 /// An encoder-only tagger for the digit tasks: token + learned position
@@ -111,6 +118,13 @@ struct CharLMOptions {
   /// a KV cache with the same result as recomputing every step. false:
   /// nanoGPT's learned position embedding wpe, T <= block_size.
   TORCH_ARG(bool, rotary) = true;
+  /// The blocks' causal self-attention (MultiHeadAttentionOptions::
+  /// attention_kind): kSoftmax (default), kLinear or kPerformer (kLinformer
+  /// cannot be causal: c10::Error). The linear kinds attend to the whole
+  /// prefix (no sliding window with rotary), decode with a constant-size
+  /// state, drop no attention weights (they form none) and have no
+  /// attention maps (attention_weights throws).
+  TORCH_ARG(AttentionKind, attention_kind) = AttentionKind::kSoftmax;
 };
 
 /// One pre-norm block of a GPT (Radford et al. 2019; nanoGPT's Block):

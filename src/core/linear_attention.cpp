@@ -1,0 +1,412 @@
+// Linear-cost attention's function and core (mha/linear_attention.h,
+// core/linear_attention_core.h): the sums of linear attention (Katharopoulos
+// et al., 2020, arXiv:2006.16236), their causal form by blocks, and FAVOR+'s
+// random features (Choromanski et al., 2021, arXiv:2009.14794).
+//
+// Glossary: L query length, S key length, T aligned query and key length,
+// D head_dim (query/key features), Dv value features, F features of φ (m for
+// FAVOR+), C block length, B = ceil(T / C) blocks, "..." leading dims.
+#include "mha/linear_attention.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/attention_core.h"  // kNegInf
+#include "core/blas_threads.h"
+#include "core/linear_attention_core.h"
+
+namespace mha {
+namespace detail {
+namespace {
+
+/// x with -inf entries replaced by 0: an offset fit to subtract (an offset
+/// of -inf belongs to a feature no key has yet, whose sums are all 0).
+torch::Tensor finite_offset(const torch::Tensor& offset) {
+  return offset.masked_fill(offset == kNegInf, 0.0);
+}
+
+/// The factor that brings sums kept relative to `from` (raw, may be -inf)
+/// to the finite offset `to`: exp(from - to), 0 where from is -inf.
+torch::Tensor rescale_factor(const torch::Tensor& from,
+                             const torch::Tensor& to) {
+  return torch::exp(finite_offset(from) - to).masked_fill(from == kNegInf, 0.0);
+}
+
+/// Log query features b (..., L, F) (exponents plus the keys' offsets, -inf
+/// where a feature has no key) as features: exp(b - max_f b), each row's
+/// largest 1, a row of no key 0.
+torch::Tensor shifted_exp(const torch::Tensor& b) {
+  auto top = b.detach().amax(-1, /*keepdim=*/true);  // (..., L, 1)
+  return torch::exp(b - finite_offset(top));
+}
+
+/// num / den with 0 where den is 0 (a row that sees no key): never NaN, in
+/// forward or backward.
+torch::Tensor safe_divide(const torch::Tensor& num, const torch::Tensor& den) {
+  const auto zero = den == 0;  // (..., L, 1)
+  return (num / den.masked_fill(zero, 1.0)).masked_fill(zero, 0.0);
+}
+
+/// x (..., T, X) padded with `fill` along T to `length` rows.
+torch::Tensor pad_rows(const torch::Tensor& x, int64_t length,
+                       double fill = 0.0) {
+  const int64_t T = x.size(-2);
+  if (T == length) {
+    return x;
+  }
+  return torch::constant_pad_nd(x, {0, 0, 0, length - T}, fill);
+}
+
+/// x (..., T, X) as (..., B, C, X), T = B·C.
+torch::Tensor blocks_of(const torch::Tensor& x, int64_t B, int64_t C) {
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  sizes.pop_back();
+  sizes.insert(sizes.end(), {B, C, x.size(-1)});
+  return x.reshape(sizes);  // (..., B, C, X)
+}
+
+}  // namespace
+
+LinearSums add_keys(const LinearSums& sums, const Features& keys,
+                    const torch::Tensor& values) {
+  LinearSums out;
+  torch::Tensor phi_k;   // (..., S, F)
+  torch::Tensor factor;  // (..., F): brings `sums` to out's offsets
+  if (keys.log) {
+    const auto& a = keys.values;                      // (..., S, F)
+    auto peak = a.size(-2) > 0 ? a.detach().amax(-2)  // (..., F)
+                               : torch::full(a.select(-2, 0).sizes(), kNegInf,
+                                             a.options());
+    if (!sums.empty()) {
+      peak = torch::maximum(peak, sums.offset);  // (..., F)
+    }
+    out.offset = peak;
+    const auto shift = finite_offset(peak);
+    phi_k = torch::exp(a - shift.unsqueeze(-2));
+    if (!sums.empty()) {
+      factor = rescale_factor(sums.offset, shift);
+    }
+  } else {
+    phi_k = keys.values;
+  }
+  out.kv = torch::matmul(phi_k.transpose(-2, -1), values);  // (..., F, Dv)
+  out.k = phi_k.sum(-2);                                    // (..., F)
+  if (!sums.empty()) {
+    if (factor.defined()) {
+      out.kv = out.kv + sums.kv * factor.unsqueeze(-1);
+      out.k = out.k + sums.k * factor;
+    } else {
+      out.kv = out.kv + sums.kv;
+      out.k = out.k + sums.k;
+    }
+  }
+  return out;
+}
+
+torch::Tensor read_sums(const Features& queries, const LinearSums& sums) {
+  TORCH_INTERNAL_ASSERT(!sums.empty(), "read_sums: no sums");
+  const auto phi_q =
+      queries.log ? shifted_exp(queries.values + sums.offset.unsqueeze(-2))
+                  : queries.values;                       // (..., L, F)
+  auto num = torch::matmul(phi_q, sums.kv);               // (..., L, Dv)
+  auto den = torch::matmul(phi_q, sums.k.unsqueeze(-1));  // (..., L, 1)
+  return safe_divide(num, den);                           // (..., L, Dv)
+}
+
+int64_t causal_block_length(int64_t /*features*/, int64_t /*value_features*/) {
+  return 64;
+}
+
+torch::Tensor causal_linear_attention(const Features& queries,
+                                      const Features& keys,
+                                      const torch::Tensor& values,
+                                      const LinearSums& sums, int64_t block,
+                                      LinearSums* sums_out) {
+  const int64_t T = queries.values.size(-2);
+  TORCH_INTERNAL_ASSERT(keys.values.size(-2) == T && values.size(-2) == T &&
+                            queries.log == keys.log,
+                        "causal_linear_attention: unaligned inputs");
+  const bool log = keys.log;
+  if (T == 0) {
+    auto sizes = queries.values.sizes().vec();
+    sizes.back() = values.size(-1);
+    if (sums_out != nullptr) {
+      *sums_out = sums.empty() ? add_keys(sums, keys, values) : sums;
+    }
+    return torch::zeros(sizes, values.options());  // (..., 0, Dv)
+  }
+  const int64_t C = std::min(block, T);
+  const int64_t B = (T + C - 1) / C;
+  const int64_t Tp = B * C;
+  // Padded rows: queries of feature 0 (their rows are dropped), keys of
+  // feature 0 (log features: exponent -inf).
+  const double fill = log ? kNegInf : 0.0;
+  auto q = blocks_of(pad_rows(queries.values, Tp, fill), B,
+                     C);                                      // (..., B, C, F)
+  auto k = blocks_of(pad_rows(keys.values, Tp, fill), B, C);  // (..., B, C, F)
+  auto v = blocks_of(pad_rows(values, Tp), B, C);             // (..., B, C, Dv)
+
+  // Log features: the offsets of block b, per feature, are the largest
+  // exponents up to the end of block b (a running maximum over blocks);
+  // its keys and queries are shifted by them.
+  torch::Tensor peak, shift;  // (..., B, F)
+  if (log) {
+    peak = std::get<0>(k.detach().amax(-2).cummax(-2));  // (..., B, F)
+    if (!sums.empty()) {
+      peak = torch::maximum(peak, sums.offset.unsqueeze(-2));
+    }
+    shift = finite_offset(peak);
+    k = torch::exp(k - shift.unsqueeze(-2));  // (..., B, C, F)
+    q = shifted_exp(q + peak.unsqueeze(-2));  // (..., B, C, F)
+  }
+
+  // Each block's own sums (Katharopoulos et al., eq. 10-11, per block).
+  auto block_kv = torch::matmul(k.transpose(-2, -1), v);  // (..., B, F, Dv)
+  auto block_k = k.sum(-2);                               // (..., B, F)
+  // The sums of every earlier block (and `sums`) as seen from block b.
+  torch::Tensor before_kv, before_k;  // (..., B, F, Dv), (..., B, F)
+  LinearSums last;
+  if (!log) {
+    auto all_kv = block_kv.cumsum(-3);  // (..., B, F, Dv)
+    auto all_k = block_k.cumsum(-2);    // (..., B, F)
+    before_kv = torch::constant_pad_nd(all_kv.narrow(-3, 0, B - 1),
+                                       {0, 0, 0, 0, 1, 0}, 0.0);
+    before_k =
+        torch::constant_pad_nd(all_k.narrow(-2, 0, B - 1), {0, 0, 1, 0}, 0.0);
+    last.kv = all_kv.select(-3, B - 1);  // (..., F, Dv)
+    last.k = all_k.select(-2, B - 1);    // (..., F)
+    if (!sums.empty()) {
+      before_kv = before_kv + sums.kv.unsqueeze(-3);
+      before_k = before_k + sums.k.unsqueeze(-2);
+      last.kv = last.kv + sums.kv;
+      last.k = last.k + sums.k;
+    }
+  } else {
+    // The running sums, rescaled from one block's offsets to the next
+    // one's: S_b = S_(b-1) · exp(offset_(b-1) - offset_b) + block_b.
+    auto previous = sums.empty()
+                        ? torch::full_like(peak.narrow(-2, 0, 1), kNegInf)
+                        : sums.offset.unsqueeze(-2);  // (..., 1, F)
+    auto from = torch::cat({previous, peak.narrow(-2, 0, B - 1)}, -2);
+    auto factor = rescale_factor(from, shift);  // (..., B, F)
+    torch::Tensor running_kv, running_k;
+    if (sums.empty()) {
+      running_kv = torch::zeros_like(block_kv.select(-3, 0));  // (..., F, Dv)
+      running_k = torch::zeros_like(block_k.select(-2, 0));    // (..., F)
+    } else {
+      running_kv = sums.kv;
+      running_k = sums.k;
+    }
+    std::vector<torch::Tensor> kv_parts, k_parts;
+    kv_parts.reserve(B);
+    k_parts.reserve(B);
+    for (int64_t b = 0; b < B; ++b) {
+      const auto f = factor.select(-2, b);  // (..., F)
+      running_kv = running_kv * f.unsqueeze(-1);
+      running_k = running_k * f;
+      kv_parts.push_back(running_kv);
+      k_parts.push_back(running_k);
+      running_kv = running_kv + block_kv.select(-3, b);
+      running_k = running_k + block_k.select(-2, b);
+    }
+    before_kv = torch::stack(kv_parts, -3);  // (..., B, F, Dv)
+    before_k = torch::stack(k_parts, -2);    // (..., B, F)
+    last.kv = running_kv;
+    last.k = running_k;
+    last.offset = peak.select(-2, B - 1);  // (..., F)
+  }
+
+  // Across blocks: the earlier keys through the sums; inside a block: the
+  // masked (C, C) product (key j <= query i), eq. 4 on C rows.
+  auto num = torch::matmul(q, before_kv);               // (..., B, C, Dv)
+  auto den = torch::matmul(q, before_k.unsqueeze(-1));  // (..., B, C, 1)
+  const auto later = torch::ones({C, C}, values.options().dtype(torch::kBool))
+                         .triu(/*diagonal=*/1);  // (C, C)
+  auto a = torch::matmul(q, k.transpose(-2, -1))
+               .masked_fill(later, 0.0);    // (..., B, C, C)
+  num = num + torch::matmul(a, v);          // (..., B, C, Dv)
+  den = den + a.sum(-1, /*keepdim=*/true);  // (..., B, C, 1)
+  auto out = safe_divide(num, den);         // (..., B, C, Dv)
+  auto sizes = out.sizes().vec();
+  sizes.erase(sizes.end() - 3, sizes.end() - 1);
+  sizes.insert(sizes.end() - 1, Tp);
+  if (sums_out != nullptr) {
+    *sums_out = last;
+  }
+  return out.reshape(sizes).narrow(-2, 0, T);  // (..., T, Dv)
+}
+
+torch::Tensor favor_exponents(const torch::Tensor& x,
+                              const torch::Tensor& random_features) {
+  const double m = static_cast<double>(random_features.size(0));
+  return torch::matmul(x, random_features.t()) -
+         x.square().sum(-1, /*keepdim=*/true) * 0.5 -
+         0.5 * std::log(m);  // (..., T, m)
+}
+
+}  // namespace detail
+
+const char* to_string(AttentionKind kind) {
+  switch (kind) {
+    case AttentionKind::kSoftmax:
+      return "softmax";
+    case AttentionKind::kLinear:
+      return "linear";
+    case AttentionKind::kPerformer:
+      return "performer";
+    case AttentionKind::kLinformer:
+      return "linformer";
+  }
+  return "?";
+}
+
+torch::Tensor elu_feature_map(const torch::Tensor& x) {
+  return torch::elu(x) + 1.0;
+}
+
+torch::Tensor linear_attention(const torch::Tensor& query,
+                               const torch::Tensor& key,
+                               const torch::Tensor& value, bool is_causal,
+                               const FeatureMap& feature_map) {
+  const detail::BlasCallGuard blas_guard;  // blas_threads.h
+  TORCH_CHECK(query.defined() && key.defined() && value.defined(),
+              "linear_attention: query, key and value must be defined");
+  TORCH_CHECK(query.dim() >= 2 && key.dim() >= 2 && value.dim() >= 2,
+              "linear_attention: query (..., L, D), key (..., S, D) and value "
+              "(..., S, Dv) need at least 2 dims, but got query ",
+              query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+  TORCH_CHECK(key.size(-1) == query.size(-1),
+              "linear_attention: key must have query's D = ", query.size(-1),
+              " features in its last dim, but got query ", query.sizes(),
+              " and key ", key.sizes());
+  TORCH_CHECK(
+      value.size(-2) == key.size(-2),
+      "linear_attention: value must have key's length S = ", key.size(-2),
+      ", but got key ", key.sizes(), " and value ", value.sizes());
+  TORCH_CHECK(torch::isFloatingType(query.scalar_type()) &&
+                  key.scalar_type() == query.scalar_type() &&
+                  value.scalar_type() == query.scalar_type(),
+              "linear_attention: query, key and value must share one floating "
+              "dtype, but got ",
+              query.scalar_type(), ", ", key.scalar_type(), ", ",
+              value.scalar_type());
+  TORCH_CHECK(
+      key.device() == query.device() && value.device() == query.device(),
+      "linear_attention: query, key and value must be on one device, "
+      "but got ",
+      query.device(), ", ", key.device(), ", ", value.device());
+  const auto lead = [](const torch::Tensor& t) {
+    return t.sizes().slice(0, t.dim() - 2);
+  };
+  const auto broadcastable = [](torch::IntArrayRef a, torch::IntArrayRef b) {
+    for (size_t i = 1; i <= std::min(a.size(), b.size()); ++i) {
+      const auto x = a[a.size() - i], y = b[b.size() - i];
+      if (x != y && x != 1 && y != 1) {
+        return false;
+      }
+    }
+    return true;
+  };
+  TORCH_CHECK(broadcastable(lead(query), lead(key)) &&
+                  broadcastable(lead(key), lead(value)) &&
+                  broadcastable(lead(query), lead(value)),
+              "linear_attention: the leading dims of query, key and value "
+              "must broadcast, but got query ",
+              query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+
+  const FeatureMap& phi =
+      feature_map ? feature_map : FeatureMap(elu_feature_map);
+  auto phi_q = phi(query);  // (..., L, F)
+  auto phi_k = phi(key);    // (..., S, F)
+  const auto check_features = [&](const torch::Tensor& f,
+                                  const torch::Tensor& x, const char* name) {
+    TORCH_CHECK(f.defined() && f.dim() == x.dim() &&
+                    f.sizes().slice(0, x.dim() - 1) ==
+                        x.sizes().slice(0, x.dim() - 1) &&
+                    f.scalar_type() == x.scalar_type() &&
+                    f.device() == x.device(),
+                "linear_attention: feature_map must map ", name,
+                " (..., T, D) to (..., T, F) of its dtype and device, but "
+                "mapped ",
+                x.sizes(), " ", x.scalar_type(), " to ",
+                f.defined() ? f.sizes() : torch::IntArrayRef{}, " ",
+                f.defined() ? f.scalar_type() : x.scalar_type());
+  };
+  check_features(phi_q, query, "query");
+  check_features(phi_k, key, "key");
+  TORCH_CHECK(phi_q.size(-1) == phi_k.size(-1),
+              "linear_attention: feature_map must give query and key the same "
+              "number of features, but gave ",
+              phi_q.size(-1), " and ", phi_k.size(-1));
+
+  const detail::Features queries{phi_q, /*log=*/false};
+  const detail::Features keys{phi_k, /*log=*/false};
+  if (!is_causal) {
+    return detail::read_sums(queries, detail::add_keys({}, keys, value));
+  }
+  // Top-left alignment: query i sees keys j <= i, so keys from L on are
+  // never seen and queries from S on see every key (zero-feature padding).
+  const int64_t L = query.size(-2);
+  const int64_t S = key.size(-2);
+  auto k = S >= L ? phi_k.narrow(-2, 0, L) : detail::pad_rows(phi_k, L);
+  auto v = S >= L ? value.narrow(-2, 0, L) : detail::pad_rows(value, L);
+  return detail::causal_linear_attention(
+      queries, {k, false}, v, {},
+      detail::causal_block_length(phi_q.size(-1), value.size(-1)));
+}
+
+torch::Tensor orthogonal_random_features(int64_t nb_features, int64_t dim,
+                                         uint64_t seed,
+                                         torch::TensorOptions options) {
+  TORCH_CHECK(nb_features >= 1 && dim >= 1,
+              "orthogonal_random_features: nb_features and dim must be >= 1, "
+              "but got nb_features=",
+              nb_features, ", dim=", dim);
+  torch::NoGradGuard no_grad;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  std::vector<torch::Tensor> blocks;
+  for (int64_t rows = 0; rows < nb_features; rows += dim) {
+    auto gaussian = at::randn({dim, dim}, generator, f64);  // (D, D)
+    auto [q, r] = at::linalg_qr(gaussian);
+    // Q made unique (R's diagonal positive), so that every LAPACK gives
+    // the same features; its columns are orthonormal, the block its rows.
+    q = q * torch::sign(r.diagonal()).unsqueeze(0);
+    blocks.push_back(
+        q.t().narrow(0, 0, std::min(dim, nb_features - rows)));  // (<=D, D)
+  }
+  auto w = torch::cat(blocks, 0);  // (m, D)
+  // Each row's norm as a Gaussian vector's (chi with D degrees of freedom).
+  auto norms = at::randn({nb_features, dim}, generator, f64).norm(2, {1});
+  // TensorOptions::dtype() is the default dtype where none was set.
+  return (w * norms.unsqueeze(1))
+      .to(torch::TensorOptions()
+              .dtype(options.dtype())
+              .device(options.device()));  // (m, D)
+}
+
+torch::Tensor favor_features(const torch::Tensor& x,
+                             const torch::Tensor& random_features) {
+  TORCH_CHECK(x.defined() && x.dim() >= 2,
+              "favor_features: x must be (..., T, D), but got ",
+              x.defined() ? x.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(random_features.defined() && random_features.dim() == 2 &&
+                  random_features.size(1) == x.size(-1) &&
+                  random_features.scalar_type() == x.scalar_type() &&
+                  random_features.device() == x.device(),
+              "favor_features: random_features must be (m, D) = (m, ",
+              x.size(-1), ") of x's dtype ", x.scalar_type(), " on ",
+              x.device(), ", but got ",
+              random_features.defined() ? random_features.sizes()
+                                        : torch::IntArrayRef{},
+              " ",
+              random_features.defined() ? random_features.scalar_type()
+                                        : x.scalar_type());
+  return torch::exp(detail::favor_exponents(x, random_features));
+}
+
+}  // namespace mha
