@@ -9,9 +9,10 @@
 # What is left out, and why:
 # - the tools (mha-parity, mha-bench, mha-train) and their CTests: built
 #   with MHA_BUILD_TOOLS=OFF, as the tests call the same library code;
-# - consumer.find_package / consumer.add_subdirectory: they configure and
-#   build separate projects with the plain compiler, which cannot link an
-#   ASan-instrumented libmha.
+# - the consumer.* tests (add_subdirectory, sources_alone; with
+#   MHA_INSTALL=OFF there is no installed package for the others): they
+#   configure and build separate projects with the plain compiler, which
+#   cannot link an ASan-instrumented libmha.
 # LibTorch itself is not instrumented: reports inside it are not ours to fix.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,6 +16,8 @@ packages=(
   dpkg-dev file         # dpkg-shlibdeps and file(1) for `cpack -G DEB`
   doxygen               # the API reference and guides (scripts/docs.sh, CTest docs.doxygen)
   doxygen-awesome-css   # their theme (without it: Doxygen's default look)
+  clang libomp-dev      # CTest consumer.sources_alone: each library source compiled
+                        # on its own, in a fraction of g++'s time (OpenMP as in g++'s build)
   cmake g++ make ninja-build
 )
 

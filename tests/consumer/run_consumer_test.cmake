@@ -1,10 +1,10 @@
-# Configures, builds and runs a consumer project. With MHA_BINARY_DIR, first
-# installs that mha build into a scratch prefix for find_package(mha), and
-# also compiles the consumer's main.cpp with nothing but the flags of
-# `pkg-config --cflags --libs mha`; with MHA_SOURCE_DIR, the consumer builds
-# mha itself with add_subdirectory. With CTEST (the ctest program), the
-# consumer's own CTest tests are run instead of its programs (examples/).
-# Variables: MHA_BINARY_DIR or MHA_SOURCE_DIR, CONSUMER_SOURCE_DIR, WORK_DIR,
+# Configures, builds and runs a consumer project. With MHA_PREFIX, the
+# consumer finds the mha installed there with find_package(mha) (CTest's
+# package.install puts this build there, once, for every test that uses
+# it); with MHA_SOURCE_DIR, the consumer builds mha itself with
+# add_subdirectory. With CTEST (the ctest program), the consumer's own CTest
+# tests are run instead of its programs (examples/).
+# Variables: MHA_PREFIX or MHA_SOURCE_DIR, CONSUMER_SOURCE_DIR, WORK_DIR,
 # GENERATOR, TORCH_DIR (LibTorch's CMake folder), CXX (the compiler);
 # optional CTEST, CONSUMER_OPTIONS: more -D options for the consumer's
 # configure, separated by '|', and BUILD_TYPE (default Release).
@@ -20,9 +20,12 @@ if(CONSUMER_OPTIONS)
   string(REPLACE "|" ";" options "${CONSUMER_OPTIONS}")
   list(APPEND extra ${options})
 endif()
-if(MHA_BINARY_DIR)
-  run(${CMAKE_COMMAND} --install ${MHA_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
-  list(APPEND extra -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+if(MHA_PREFIX)
+  if(NOT EXISTS ${MHA_PREFIX}/include/mha/mha.h)
+    message(FATAL_ERROR "no mha installed in ${MHA_PREFIX} (CTest's "
+                        "package.install, the fixture mha_installed, puts it there)")
+  endif()
+  list(APPEND extra -DCMAKE_PREFIX_PATH=${MHA_PREFIX})
 else()
   list(APPEND extra -DMHA_SOURCE_DIR=${MHA_SOURCE_DIR})
 endif()
@@ -41,27 +44,8 @@ if(CTEST)
   return()
 endif()
 run(${WORK_DIR}/build/consumer)
-if(MHA_BINARY_DIR)
+if(MHA_PREFIX)
   run(${WORK_DIR}/build/consumer_train)
-  # The installed mha.pc, found through PKG_CONFIG_PATH.
-  file(GLOB_RECURSE pc_files ${WORK_DIR}/prefix/*/mha.pc)
-  list(LENGTH pc_files pc_count)
-  if(NOT pc_count EQUAL 1)
-    message(FATAL_ERROR "expected one installed mha.pc, found: ${pc_files}")
-  endif()
-  get_filename_component(pc_dir ${pc_files} DIRECTORY)
-  set(ENV{PKG_CONFIG_PATH} ${pc_dir})
-  execute_process(COMMAND pkg-config --cflags --libs mha
-                  OUTPUT_VARIABLE pc_flags OUTPUT_STRIP_TRAILING_WHITESPACE
-                  RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "pkg-config --cflags --libs mha failed (${rc})")
-  endif()
-  separate_arguments(pc_flags UNIX_COMMAND "${pc_flags}")
-  # No -std here: mha.pc's Cflags name the standard mha was built with.
-  run(${CXX} ${CONSUMER_SOURCE_DIR}/main.cpp ${pc_flags}
-      -o ${WORK_DIR}/consumer_pkg_config)
-  run(${WORK_DIR}/consumer_pkg_config)
 else()
   # add_subdirectory(mha) builds what the consumer links (mha::mha) and
   # nothing of training or parity.
