@@ -174,6 +174,8 @@ expect_usage_error("--projected-length needs --attention linformer"
 expect_usage_error("--attention performer never forms the attention maps"
                    --task charlm --text ${WORK_DIR}/cats.txt
                    --attention performer --plot-attention maps)
+expect_usage_error("--packed needs --attention softmax" --task charlm
+                   --text ${WORK_DIR}/cats.txt --packed --attention linear)
 run_tool(0 ${tiny} --out linformer --attention linformer --projected-length 3)
 if(NOT last_out MATCHES "attention: linformer" OR
    NOT last_out MATCHES "held-out accuracy: [0-9.]+% of 100 sequences")

@@ -737,6 +737,16 @@ TEST_F(LinearAttentionModuleTest, ErrorsNameTheOption) {
   throws(mha::MultiHeadAttentionOptions(linear).position_bias(
              mha::PositionBias::kAlibi),
          "the option position_bias is not supported");
+  throws(mha::MultiHeadAttentionOptions(linear).score_mod(
+             [](const torch::Tensor& score, const torch::Tensor&,
+                const torch::Tensor&, const torch::Tensor&,
+                const torch::Tensor&) { return score; }),
+         "the option score_mod is not supported with attention_kind kLinear");
+  EXPECT_THROW_MSG(
+      m->forward(x, {}, {}, {}, false, {}, true, true, {},
+                 mha::create_block_mask(mha::noop_mask(), 1, 1, 5, 5)),
+      "block_mask is not supported with attention_kind kLinear, kPerformer "
+      "or kLinformer");
   throws(mha::MultiHeadAttentionOptions(linear).scale(1.0),
          "scale has no meaning with attention_kind kLinear");
   throws(mha::MultiHeadAttentionOptions(linear).nb_features(8),
