@@ -125,6 +125,11 @@ struct FlexTile {
   torch::Tensor kv_idx;  // (1, cols) int64: the key of each column
   torch::Tensor raw;     // (rows, cols): scores before score_mod, or {}
   torch::Tensor empty;   // (rows) bool: rows left with no key, or {}
+  // Backward: score_mod's graph, one per chunk of rows (score_mod_rows)
+  // whose output depends on the leaf: the leaves (views of raw), what
+  // score_mod made of them, and their first row and rows.
+  std::vector<torch::Tensor> graph_in, graph_out;
+  std::vector<std::pair<int64_t, int64_t>> graph_rows;
 
   FlexTile(const Block& block, int64_t n, int64_t h_) {
     const auto index = torch::TensorOptions().dtype(torch::kLong);
@@ -140,8 +145,17 @@ struct FlexTile {
   }
 };
 
+/// Rows of a block's scores that score_mod sees at a time, for `cols`
+/// columns: about kScoreModElements scores (128 KiB of float32, glibc's
+/// default mmap threshold), at least one row.
+int64_t score_mod_rows(int64_t cols) {
+  constexpr int64_t kScoreModElements = 32 * 1024;
+  return std::max<int64_t>(1, kScoreModElements / std::max<int64_t>(1, cols));
+}
+
 /// The flex steps of block_weights on the scaled scores p (rows, cols):
-/// score_mod (keeping the scores before it in tile.raw where `keep_raw`),
+/// score_mod (where `keep_raw`, backward's recomputation, on a copy of the
+/// scores in tile.raw, with its autograd graph kept in tile.graph_*),
 /// the additive mask, mask_mod on the partial blocks and, with a block
 /// mask, the positions' limits; then the rows left with no key (every
 /// score -inf, as Python's FlexAttention decides) in tile.empty, OR-ed with
@@ -156,8 +170,31 @@ void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
     if (keep_raw) {
       tile.raw.copy_(p);
     }
-    p.copy_(call_score_mod(flex.score_mod, p, tile.b, tile.h, tile.q_idx,
-                           tile.kv_idx));
+    // Rows a few at a time: the mod's temporaries stay in the cache and in
+    // the allocator's free lists (a whole block's are fresh pages).
+    const int64_t rows = p.size(0), chunk = score_mod_rows(p.size(1));
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const auto r = std::min(chunk, rows - r0);
+      auto part = p.narrow(0, r0, r);
+      const auto q_idx = tile.q_idx.narrow(0, r0, r);
+      if (!keep_raw) {
+        part.copy_(call_score_mod(flex.score_mod, part, tile.b, tile.h, q_idx,
+                                  tile.kv_idx));
+        continue;
+      }
+      // Backward: one call gives the scores and the graph that
+      // flex_score_backward differentiates.
+      torch::AutoGradMode grad_mode(true);
+      auto leaf = tile.raw.narrow(0, r0, r).detach().requires_grad_();
+      auto modified = call_score_mod(flex.score_mod, leaf, tile.b, tile.h,
+                                     q_idx, tile.kv_idx);
+      part.copy_(modified.detach());
+      if (modified.requires_grad()) {
+        tile.graph_in.push_back(leaf);
+        tile.graph_out.push_back(modified);
+        tile.graph_rows.emplace_back(r0, r);
+      }
+    }
   }
   if (mask.defined()) {
     for (const auto& span : block.spans) {
@@ -266,34 +303,46 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
 
 /// The flex step of backward: ds (rows, cols), the gradient of the scores
 /// after score_mod, becomes that of the scores before it (through
-/// score_mod's autograd graph, rebuilt on tile.raw), and the gradients of
-/// the captured tensors are added to `captured` (under `lock`).
+/// score_mod's autograd graph that block_weights kept in tile.graph_*, one
+/// pass over its chunks), and the gradients of the captured tensors are
+/// added to `captured` (under `lock`).
 void flex_score_backward(torch::Tensor& ds, const BlockedSpec& spec,
                          FlexTile& tile, std::vector<torch::Tensor>& captured,
                          std::mutex& lock) {
   const auto& flex = *spec.flex;
-  torch::AutoGradMode grad_mode(true);
-  auto score = tile.raw.detach().requires_grad_();
-  auto modified = call_score_mod(flex.score_mod, score, tile.b, tile.h,
-                                 tile.q_idx, tile.kv_idx);
-  std::vector<torch::Tensor> inputs{score};
-  inputs.insert(inputs.end(), flex.captured.begin(), flex.captured.end());
-  if (!modified.requires_grad()) {  // score_mod ignores the score
-    ds.zero_();
+  const auto chunks = tile.graph_out.size();
+  // Rows whose scores score_mod ignored get no gradient.
+  int64_t next = 0;
+  std::vector<torch::Tensor> grad_outputs;
+  for (const auto& [r0, r] : tile.graph_rows) {
+    ds.narrow(0, next, r0 - next).zero_();
+    grad_outputs.push_back(ds.detach().narrow(0, r0, r));
+    next = r0 + r;
+  }
+  ds.narrow(0, next, ds.size(0) - next).zero_();
+  if (chunks == 0) {
     return;
   }
+  std::vector<torch::Tensor> inputs = tile.graph_in;
+  inputs.insert(inputs.end(), flex.captured.begin(), flex.captured.end());
+  torch::AutoGradMode grad_mode(true);
   const auto grads = torch::autograd::grad(
-      {modified}, inputs, {ds.detach()}, /*retain_graph=*/true,
+      tile.graph_out, inputs, grad_outputs, /*retain_graph=*/false,
       /*create_graph=*/false, /*allow_unused=*/true);
-  if (grads[0].defined()) {
-    ds.copy_(grads[0]);
-  } else {
-    ds.zero_();
+  tile.graph_in.clear();
+  tile.graph_out.clear();
+  tile.graph_rows.clear();
+  for (size_t i = 0; i < chunks; ++i) {
+    if (grads[i].defined()) {
+      grad_outputs[i].copy_(grads[i]);
+    } else {
+      grad_outputs[i].zero_();
+    }
   }
   std::lock_guard<std::mutex> guard(lock);
-  for (size_t i = 1; i < grads.size(); ++i) {
+  for (size_t i = chunks; i < grads.size(); ++i) {
     if (grads[i].defined()) {
-      captured[i - 1].add_(grads[i]);
+      captured[i - chunks].add_(grads[i]);
     }
   }
 }
