@@ -204,14 +204,20 @@ torch::Tensor causal_linear_attention(const Features& queries,
     std::vector<torch::Tensor> kv_parts, k_parts;
     kv_parts.reserve(B);
     k_parts.reserve(B);
+    // unbind, not select(b) in the loop: select's backward writes a whole
+    // (..., B, F, Dv) gradient per block (O(B²) time and memory),
+    // unbind's stacks the blocks' gradients once.
+    const auto factors = factor.unbind(-2);      // B x (..., F)
+    const auto block_kvs = block_kv.unbind(-3);  // B x (..., F, Dv)
+    const auto block_ks = block_k.unbind(-2);    // B x (..., F)
     for (int64_t b = 0; b < B; ++b) {
-      const auto f = factor.select(-2, b);  // (..., F)
+      const auto& f = factors[b];
       running_kv = running_kv * f.unsqueeze(-1);
       running_k = running_k * f;
       kv_parts.push_back(running_kv);
       k_parts.push_back(running_k);
-      running_kv = running_kv + block_kv.select(-3, b);
-      running_k = running_k + block_k.select(-2, b);
+      running_kv = running_kv + block_kvs[b];
+      running_k = running_k + block_ks[b];
     }
     before_kv = torch::stack(kv_parts, -3);  // (..., B, F, Dv)
     before_k = torch::stack(k_parts, -2);    // (..., B, F)
