@@ -433,6 +433,48 @@ TEST_F(LinearAttentionPerformerTest, ModuleEqualsDenseEstimate) {
   }
 }
 
+// Past 16 blocks of 64 rows the causal form runs group after group of
+// blocks, the sums carried between them: values and gradients across the
+// group boundary (L = 1100: groups of 1024 and 76 rows) equal the
+// dense forms, for plain features (linear attention) and log features
+// (the Performer module, with a padded tail).
+TEST_F(LinearAttentionPerformerTest, CausalFormAcrossGroupsOfBlocks) {
+  const int64_t L = 1100;
+  auto q = torch::randn({1, 2, L, 4}, kDouble).requires_grad_();
+  auto k = torch::randn({1, 2, L, 4}, kDouble).requires_grad_();
+  auto v = torch::randn({1, 2, L, 3}, kDouble).requires_grad_();
+  auto g = torch::randn({1, 2, L, 3}, kDouble);
+  auto out = mha::linear_attention(q, k, v, /*is_causal=*/true);
+  auto expected =
+      dense_linear(mha::elu_feature_map(q), mha::elu_feature_map(k), v, true);
+  expect_close(out, expected, 1e-11, 0, "linear, L=1100");
+  auto grads = torch::autograd::grad({(out * g).sum()}, {q, k, v});
+  auto expected_grads =
+      torch::autograd::grad({(expected * g).sum()}, {q, k, v});
+  for (size_t i = 0; i < 3; ++i) {
+    expect_close(grads[i], expected_grads[i], 1e-10, 0,
+                 "linear gradient " + std::to_string(i));
+  }
+
+  const int64_t N = 2, E = 8, H = 2;
+  auto m = make(mha::MultiHeadAttentionOptions(E, H)
+                    .attention_kind(AttentionKind::kPerformer)
+                    .nb_features(6)
+                    .feature_seed(5));
+  auto x = torch::randn({N, L, E}, kDouble);
+  auto pad = torch::zeros({N, L}, torch::kBool);
+  pad.index_put_({1, torch::indexing::Slice(1050, L)}, true);
+  auto performer = std::get<0>(
+      m->forward(x, {}, {}, pad, /*need_weights=*/false, {}, true, true));
+  auto h = project_heads(m, x);
+  auto heads = dense_favor(
+      h.q, to_query_heads(h.k, H), to_query_heads(h.v, H), m->random_features,
+      std::sqrt(1.0 / std::sqrt(static_cast<double>(E / H))), true,
+      pad.view({N, 1, 1, L}));
+  expect_close(performer, merge_and_project(m, heads), 1e-10, 0,
+               "performer, L=1100");
+}
+
 // Inputs of large norm keep FAVOR+ in range. With the heads' norms ~ 90
 // (scores q·k / sqrt(D) up to ~4400) the exponents (about -|k|²/2)
 // underflow exp in float32, so the plain features (favor_features through
