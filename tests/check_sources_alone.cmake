@@ -11,12 +11,7 @@
 # and another compiler's would only bury an error in the log.
 # Variables: SOURCE_DIR (mha's), WORK_DIR, GENERATOR, TORCH_DIR, CXX.
 file(REMOVE_RECURSE ${WORK_DIR})
-function(run)
-  execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${ARGV}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/consumer/run_checked.cmake)
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR} -G ${GENERATOR}
     -DCMAKE_CXX_COMPILER=${CXX} -DTorch_DIR=${TORCH_DIR} -DCMAKE_CXX_FLAGS=-w
     -DCMAKE_BUILD_TYPE=None -DCMAKE_UNITY_BUILD=OFF -DMHA_BUILD_TESTS=OFF

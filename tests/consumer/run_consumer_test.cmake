@@ -9,12 +9,7 @@
 # optional CTEST, CONSUMER_OPTIONS: more -D options for the consumer's
 # configure, separated by '|', and BUILD_TYPE (default Release).
 file(REMOVE_RECURSE ${WORK_DIR})
-function(run)
-  execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${ARGV}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/run_checked.cmake)
 set(extra -DTorch_DIR=${TORCH_DIR} -DCMAKE_CXX_COMPILER=${CXX})
 if(CONSUMER_OPTIONS)
   string(REPLACE "|" ";" options "${CONSUMER_OPTIONS}")

@@ -5,12 +5,7 @@
 # program), CXX (the compiler), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
-function(run)
-  execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${ARGV}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/run_checked.cmake)
 file(GLOB_RECURSE pc_files ${MHA_PREFIX}/*/mha.pc)
 list(LENGTH pc_files pc_count)
 if(NOT pc_count EQUAL 1)
