@@ -440,7 +440,7 @@ AttentionResult attention_core(
     // 2^20 float32 entries).
     if (!query.device().is_cpu() || !at::isnan(output.sum()).item<bool>()) {
       last_path = AttentionPath::kFused;
-      return {output, torch::Tensor()};
+      return {output, torch::Tensor(), torch::Tensor()};
     }
 #endif
     call.fused_available = false;

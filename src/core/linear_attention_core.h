@@ -55,8 +55,10 @@ torch::Tensor read_sums(const Features& queries, const LinearSums& sums);
 /// `sums` holds (earlier positions; may be empty). Blocks of `block` rows:
 /// inside a block the masked (C, C) product, across blocks the running
 /// sums (log features: offsets of each block the running maximum up to
-/// its end). Returns (..., T, Dv); when `sums_out` is given, it receives
-/// the sums after all T keys (the decoding state).
+/// its end); past 16 blocks, groups of 16 blocks one after another, the
+/// sums carried from group to group. Returns (..., T, Dv); when
+/// `sums_out` is given, it receives the sums after all T keys (the
+/// decoding state).
 torch::Tensor causal_linear_attention(const Features& queries,
                                       const Features& keys,
                                       const torch::Tensor& values,
