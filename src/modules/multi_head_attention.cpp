@@ -314,8 +314,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     TORCH_CHECK(block_mask.empty(),
                 "MultiHeadAttention: block_mask is not supported with "
                 "attention_kind kLinear, kPerformer or kLinformer (a block "
-                "mask selects blocks of the (L, S) scores, which "
-                "this kind never forms); use key_padding_mask or is_causal");
+                "mask selects blocks of the (L, S) scores, which these "
+                "kinds never form); use key_padding_mask or is_causal");
     return detail::linear_kind_forward(
         *this, query, key, value, key_padding_mask, need_weights, attn_mask,
         average_attn_weights, is_causal, positions);
