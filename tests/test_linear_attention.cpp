@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "core/linear_attention_core.h"
 #include "fixture_helpers.h"
 #include "mha/linear_attention.h"
 #include "mha/multi_head_attention.h"
@@ -473,6 +474,57 @@ TEST_F(LinearAttentionPerformerTest, CausalFormAcrossGroupsOfBlocks) {
       pad.view({N, 1, 1, L}));
   expect_close(performer, merge_and_project(m, heads), 1e-10, 0,
                "performer, L=1100");
+}
+
+// The CPU's walk (causal_products, one head per thread) and the ATen form
+// (every block's sums as batched tensors) are two computations of one
+// thing: equal in float64 in values, gradients and the sums after, with
+// plain and log features, starting sums or none, a partial last block,
+// keys shared by two query heads, one row and blocks longer than T.
+TEST_F(LinearAttentionPerformerTest, WalkEqualsBatchedForm) {
+  using mha::detail::Features;
+  using mha::detail::LinearSums;
+  for (const int64_t T : {150, 1, 40}) {
+    for (const bool log : {false, true}) {
+      for (const bool with_sums : {false, true}) {
+        const auto what = "T=" + std::to_string(T) + (log ? " log" : " plain") +
+                          (with_sums ? " with sums" : "");
+        // Queries (2, 2, G = 2, T, F), keys (2, 2, 1, T, F).
+        auto x_q = torch::randn({2, 2, 2, T, 5}, kDouble) * 2;
+        auto x_k = torch::randn({2, 2, 1, T, 5}, kDouble) * 2;
+        auto v = torch::randn({2, 2, 1, T, 4}, kDouble).requires_grad_();
+        auto q = (log ? x_q : mha::elu_feature_map(x_q)).requires_grad_();
+        auto k = (log ? x_k : mha::elu_feature_map(x_k)).requires_grad_();
+        LinearSums sums;
+        if (with_sums) {
+          auto before = torch::randn({2, 2, 1, 7, 5}, kDouble) * 2;
+          sums = mha::detail::add_keys(
+              {}, {log ? before : mha::elu_feature_map(before), log},
+              torch::randn({2, 2, 1, 7, 4}, kDouble));
+        }
+        const int64_t block = T == 40 ? 64 : 16;
+        LinearSums walk_sums, aten_sums;
+        auto walk = mha::detail::causal_linear_attention(
+            {q, log}, {k, log}, v, sums, block, &walk_sums);
+        auto aten = mha::detail::causal_linear_attention_aten(
+            {q, log}, {k, log}, v, sums, block, &aten_sums);
+        expect_close(walk, aten, 1e-12, 1e-12, what);
+        expect_close(walk_sums.kv, aten_sums.kv, 1e-12, 1e-12, what + " kv");
+        expect_close(walk_sums.k, aten_sums.k, 1e-12, 1e-12, what + " k");
+        if (log) {
+          expect_close(walk_sums.offset, aten_sums.offset, 0, 0,
+                       what + " offset");
+        }
+        auto g = torch::randn_like(walk);
+        auto walk_grads = torch::autograd::grad({(walk * g).sum()}, {q, k, v});
+        auto aten_grads = torch::autograd::grad({(aten * g).sum()}, {q, k, v});
+        for (size_t i = 0; i < 3; ++i) {
+          expect_close(walk_grads[i], aten_grads[i], 1e-12, 1e-11,
+                       what + " gradient " + std::to_string(i));
+        }
+      }
+    }
+  }
 }
 
 // Inputs of large norm keep FAVOR+ in range. With the heads' norms ~ 90

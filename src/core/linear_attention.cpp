@@ -249,6 +249,97 @@ torch::Tensor causal_blocks(const Features& queries, const Features& keys,
   return out.reshape(sizes).narrow(-2, 0, T);  // (..., T, Dv)
 }
 
+/// causal_linear_attention through causal_products: features and values
+/// broadcast to one leading shape of N items (the module's keys are shared
+/// by G query heads), log features shifted per block as causal_blocks
+/// does, the offsets' moves as decay factors.
+torch::Tensor causal_walk(const Features& queries, const Features& keys,
+                          const torch::Tensor& values, const LinearSums& sums,
+                          int64_t block, LinearSums* sums_out) {
+  const int64_t T = queries.values.size(-2);
+  const int64_t F = queries.values.size(-1), Dv = values.size(-1);
+  const int64_t C = std::min(block, T);
+  const int64_t B = (T + C - 1) / C;
+  auto q = queries.values;    // (..., T, F)
+  auto k = keys.values;       // (..., T, F)
+  torch::Tensor peak, decay;  // (..., B, F)
+  if (keys.log) {
+    const int64_t Tp = B * C;
+    auto qb = blocks_of(pad_rows(q, Tp, kNegInf), B, C);  // (..., B, C, F)
+    auto kb = blocks_of(pad_rows(k, Tp, kNegInf), B, C);  // (..., B, C, F)
+    peak = std::get<0>(kb.detach().amax(-2).cummax(-2));  // (..., B, F)
+    if (!sums.empty()) {
+      peak = torch::maximum(peak, sums.offset.unsqueeze(-2));
+    }
+    const auto shift = finite_offset(peak);
+    const auto rows = [&](const torch::Tensor& x) {  // (..., T, F)
+      auto sizes = x.sizes().vec();
+      sizes.erase(sizes.end() - 3, sizes.end() - 1);
+      sizes.insert(sizes.end() - 1, Tp);
+      return x.reshape(sizes).narrow(-2, 0, T);
+    };
+    k = rows(torch::exp(kb - shift.unsqueeze(-2)));
+    q = rows(shifted_exp(qb + peak.unsqueeze(-2)));
+    auto previous = sums.empty()
+                        ? torch::full_like(peak.narrow(-2, 0, 1), kNegInf)
+                        : sums.offset.unsqueeze(-2);  // (..., 1, F)
+    auto from = torch::cat({previous, peak.narrow(-2, 0, B - 1)}, -2);
+    decay = rescale_factor(from, shift);  // (..., B, F)
+  }
+  const auto lead_of = [](const torch::Tensor& x) {
+    return x.sizes().slice(0, x.dim() - 2).vec();
+  };
+  const auto key_lead = at::infer_size(lead_of(k), lead_of(values));
+  const auto lead = at::infer_size(lead_of(q), key_lead);
+  int64_t N = 1;
+  for (const auto n : lead) {
+    N *= n;
+  }
+  // x (..., R, X) broadcast to lead and flattened to (N, R, X).
+  const auto items = [&](const torch::Tensor& x) {
+    auto sizes = lead;
+    sizes.insert(sizes.end(), {x.size(-2), x.size(-1)});
+    return x.expand(sizes).reshape({N, x.size(-2), x.size(-1)});
+  };
+  torch::Tensor state_in;  // (N, F, Dv + 1)
+  if (!sums.empty()) {
+    state_in = items(torch::cat({sums.kv, sums.k.unsqueeze(-1)}, -1));
+  }
+  auto value_sizes = lead;  // values stay as they are laid out (the
+                            // walk copies them once, beside a column of ones)
+  value_sizes.insert(value_sizes.end(), {T, Dv});
+  torch::Tensor state;
+  auto out_sizes = lead;
+  out_sizes.insert(out_sizes.end(), {T, Dv});
+  auto result = causal_linear_products(
+                    items(q), items(k), values.expand(value_sizes),
+                    decay.defined() ? items(decay) : torch::Tensor(), state_in,
+                    C, sums_out != nullptr ? &state : nullptr)
+                    .view(out_sizes);  // (..., T, Dv)
+  if (sums_out != nullptr) {
+    // The sums of one item per key head: every query head of a group
+    // walked the same keys.
+    auto sizes = lead;
+    sizes.insert(sizes.end(), {F, Dv + 1});
+    auto s = state.view(sizes);  // (..., F, Dv + 1)
+    const int64_t skip = static_cast<int64_t>(lead.size() - key_lead.size());
+    for (int64_t d = static_cast<int64_t>(lead.size()) - 1; d >= 0; --d) {
+      const int64_t kd = d - skip;
+      if (kd < 0 || (key_lead[kd] == 1 && lead[d] > 1)) {
+        s = kd < 0 ? s.select(d, 0) : s.narrow(d, 0, 1);
+      }
+    }
+    LinearSums last;
+    last.kv = s.narrow(-1, 0, Dv);  // (..., F, Dv)
+    last.k = s.select(-1, Dv);      // (..., F)
+    if (keys.log) {
+      last.offset = peak.select(-2, B - 1);  // (..., F)
+    }
+    *sums_out = last;
+  }
+  return result;
+}
+
 }  // namespace
 
 torch::Tensor causal_linear_attention(const Features& queries,
@@ -256,6 +347,21 @@ torch::Tensor causal_linear_attention(const Features& queries,
                                       const torch::Tensor& values,
                                       const LinearSums& sums, int64_t block,
                                       LinearSums* sums_out) {
+  const bool sums_with_graph =
+      !sums.empty() && torch::GradMode::is_enabled() &&
+      (sums.kv.requires_grad() || sums.k.requires_grad());
+  if (queries.values.size(-2) > 0 && causal_products_apply(values) &&
+      causal_products_apply(queries.values) &&
+      causal_products_apply(keys.values) && !sums_with_graph) {
+    return causal_walk(queries, keys, values, sums, block, sums_out);
+  }
+  return causal_linear_attention_aten(queries, keys, values, sums, block,
+                                      sums_out);
+}
+
+torch::Tensor causal_linear_attention_aten(
+    const Features& queries, const Features& keys, const torch::Tensor& values,
+    const LinearSums& sums, int64_t block, LinearSums* sums_out) {
   // Groups of kGroupBlocks blocks, one after another, the sums carried
   // from each to the next: the temporaries of a group (its blocks' sums
   // (..., kGroupBlocks, F, Dv) and (C, C) products) stay in the caches and
@@ -313,7 +419,10 @@ const char* to_string(AttentionKind kind) {
 }
 
 torch::Tensor elu_feature_map(const torch::Tensor& x) {
-  return torch::elu(x) + 1.0;
+  // In place on elu's own result (its backward reads its input): one
+  // tensor of the features' size, not two (at L = 64k each fresh one costs
+  // about 0.1 s of page faults here).
+  return torch::elu(x).add_(1.0);
 }
 
 torch::Tensor linear_attention(const torch::Tensor& query,

@@ -55,15 +55,75 @@ torch::Tensor read_sums(const Features& queries, const LinearSums& sums);
 /// `sums` holds (earlier positions; may be empty). Blocks of `block` rows:
 /// inside a block the masked (C, C) product, across blocks the running
 /// sums (log features: offsets of each block the running maximum up to
-/// its end); past 16 blocks, groups of 16 blocks one after another, the
-/// sums carried from group to group. Returns (..., T, Dv); when
-/// `sums_out` is given, it receives the sums after all T keys (the
-/// decoding state).
+/// its end). Returns (..., T, Dv); when `sums_out` is given, it receives
+/// the sums after all T keys (the decoding state). On the CPU in float32
+/// and float64 (unless `sums` carry a graph) each head walks its blocks on
+/// one thread (causal_products), the sums in and out carrying no graph;
+/// otherwise causal_linear_attention_aten.
 torch::Tensor causal_linear_attention(const Features& queries,
                                       const Features& keys,
                                       const torch::Tensor& values,
                                       const LinearSums& sums, int64_t block,
                                       LinearSums* sums_out = nullptr);
+
+/// causal_linear_attention in ATen ops on any device and dtype, every
+/// block's sums and products as batched tensors; past 16 blocks, groups of
+/// 16 blocks one after another, the sums carried from group to group
+/// (differentiable in the sums too). Public for the tests, which compare
+/// the two forms.
+torch::Tensor causal_linear_attention_aten(
+    const Features& queries, const Features& keys, const torch::Tensor& values,
+    const LinearSums& sums, int64_t block, LinearSums* sums_out = nullptr);
+
+/// The causal products of linear attention, walked block by block on the
+/// CPU (src/core/linear_attention_kernel.cpp): for each leading item n,
+///   forward: out_t = Σ_{j <= t} (a_t · D(t, j) b_j) c_jᵀ,
+///   reverse: out_t = Σ_{j >= t} (a_t · D(j, t) b_j) c_jᵀ,
+/// plus, forward, a_tᵀ D(t, start) state_in. D(t, j) is the product of the
+/// decay factors of the blocks after j's up to t's (1 inside a block),
+/// scaling the sums' rows (Fa, decay_rows) or columns (Fc): the log
+/// features' offsets moving from block to block (Features). With a = φ(q),
+/// b = φ(k), c = [v, 1] it is causal linear attention's numerator and
+/// denominator (normalize: each row divided by its last column); the
+/// gradients are the same walks (causal_linear_products): dq = forward(g,
+/// [v, 1], k) on columns, dk = reverse([v, 1], g, q) on columns, dv =
+/// reverse(k, q, g) on rows.
+struct CausalProducts {
+  torch::Tensor a;         // (N, T, Fa), unit stride along Fa
+  torch::Tensor b;         // (N, T, Fa), unit stride along Fa
+  torch::Tensor c;         // (N, T, Fc), unit stride along Fc
+  torch::Tensor decay;     // (N, B, Fa or Fc), B = ceil(T / block); or none
+  bool decay_rows = true;  // decay scales the sums' rows (Fa), else columns
+  bool reverse = false;
+  int64_t block = 64;      // C
+  torch::Tensor state_in;  // (N, Fa, Fc) starting sums (forward); or none
+  bool normalize = false;  // forward only: out (N, T, Fc - 1) = the first
+                           // Fc - 1 columns over the last (0 where it is 0)
+};
+
+/// Whether causal_products takes tensors like x: CPU float32 or float64.
+bool causal_products_apply(const torch::Tensor& x);
+
+/// out (N, T, Fc) of CausalProducts (normalize: (N, T, Fc - 1), and `den`
+/// (N, T) receives the last column), every item's walk on one thread
+/// (for_each_item), the products by gemm_matrix; `state_out`, when given,
+/// receives the sums after the walk (N, Fa, Fc). No autograd.
+torch::Tensor causal_products(const CausalProducts& p, torch::Tensor* state_out,
+                              torch::Tensor* den = nullptr);
+
+/// Causal linear attention's rows y = num / den (N, T, E) (0 where den is
+/// 0) from q = φ(q) (N, T, F), k = φ(k) (N, T, F) and v (..., T, E) (any
+/// layout, N = the product of its leading dims; copied once), the
+/// normalized forward walk of causal_products(q, k, [v, 1]), as a
+/// differentiable function of q, k and v. decay (N, B, F) and state_in
+/// (N, F, E + 1) (the sums [kv, k]) are constants (may be undefined), and
+/// so are the sums `state_out` receives (N, F, E + 1).
+torch::Tensor causal_linear_products(const torch::Tensor& q,
+                                     const torch::Tensor& k,
+                                     const torch::Tensor& v,
+                                     const torch::Tensor& decay,
+                                     const torch::Tensor& state_in,
+                                     int64_t block, torch::Tensor* state_out);
 
 /// The block length C of the causal form: 64. Per row it costs
 /// C·(F + Dv) for the block's own product and F·Dv / C for the sums kept
