@@ -169,7 +169,10 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
       };
       LinearRun f, b;
       try {
-        const int reps = last_ms > 2000 ? 1 : 3;
+        // The first run is cold (its peak measured after malloc_trim):
+        // five where they are short, for a median this VM's page faults
+        // move less.
+        const int reps = last_ms > 2000 ? 1 : last_ms > 500 ? 3 : 5;
         f = median_linear_run(fwd, settings.device, memory, reps);
         b = median_linear_run(fwd_bwd, settings.device, memory, reps);
       } catch (const std::exception& e) {

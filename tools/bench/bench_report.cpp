@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 
 #include "bench/bench_tool.h"
 #include "common/tool_common.h"
@@ -152,6 +153,20 @@ double geometric_mean(const std::vector<double>& v) {
 
 /// Where an environment variable came from: mha-bench's re-execution
 /// (tune_runtime_environment) or the caller.
+/// The selected mode of /sys/kernel/mm/transparent_hugepage/enabled (the
+/// bracketed word of "always [madvise] never"), or "n/a".
+std::string transparent_hugepage_mode() {
+  std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  if (!std::getline(file, line)) {
+    return "n/a";
+  }
+  const auto open = line.find('['), close = line.find(']');
+  return open != std::string::npos && close > open
+             ? line.substr(open + 1, close - open - 1)
+             : "n/a";
+}
+
 const char* source(const Environment& env, const char* variable) {
   return env.runtime_note.find(variable) != std::string::npos
              ? "set by mha-bench"
@@ -175,6 +190,8 @@ Environment read_environment(const Settings& settings,
   env.wait_policy = mha::tools::env_or_unset("OMP_WAIT_POLICY");
   env.omp_threads = mha::tools::env_or_unset("OMP_NUM_THREADS");
   env.blas_threads_env = mha::tools::env_or_unset("OPENBLAS_NUM_THREADS");
+  env.glibc_tunables = mha::tools::env_or_unset("GLIBC_TUNABLES");
+  env.transparent_hugepage = transparent_hugepage_mode();
   env.openblas_core = mha::detail::openblas_core();
   env.openblas_workers_spin = mha::detail::openblas_workers_spin();
   env.blocked_gemm = mha::detail::onednn_products_available()
@@ -255,6 +272,8 @@ void print_environment(Environment& env, const Args& args,
       at::get_num_threads(), env.wait_policy, source(env, "OMP_WAIT_POLICY"),
       env.omp_threads, env.blas_threads_env,
       env.openblas_config ? fmt::format("{}", env.openblas_threads) : "n/a");
+  fmt::print("Memory:    GLIBC_TUNABLES {}; transparent huge pages {}\n",
+             env.glibc_tunables, env.transparent_hugepage);
   std::fflush(stdout);
   const int64_t gemm_n =
       args.quick && !args.gemm_size_given ? 256 : args.gemm_size;
@@ -438,6 +457,8 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
       {"intra_op_threads", at::get_num_threads()},
       {"omp_wait_policy", env.wait_policy},
       {"omp_wait_policy_source", source(env, "OMP_WAIT_POLICY")},
+      {"glibc_tunables", env.glibc_tunables},
+      {"transparent_hugepage", env.transparent_hugepage},
       {"openblas_core", env.openblas_core},
       {"openblas_workers_spin", env.openblas_workers_spin},
       {"blocked_gemm", env.blocked_gemm},

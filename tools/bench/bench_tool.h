@@ -65,6 +65,12 @@ struct Environment {
   std::string blas, cpu;
   int online = 0, usable = 0;
   std::string wait_policy, omp_threads, blas_threads_env;
+  /// GLIBC_TUNABLES as set (or "unset") and the kernel's transparent huge
+  /// page mode ("always", "madvise", "never", or "n/a" off Linux): with
+  /// glibc.malloc.hugetlb=1 under "madvise", glibc asks for huge pages for
+  /// large blocks, whose first touch then faults per 2 MiB instead of per
+  /// 4 KiB (docs/speed.md, "Settings for your program").
+  std::string glibc_tunables, transparent_hugepage;
   std::string openblas_core, coretype;
   std::optional<std::string> openblas_config;  ///< nullopt: no OpenBLAS
   int openblas_threads = 0;
