@@ -30,7 +30,7 @@ cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
   -DMHA_BUILD_TOOLS=OFF -DMHA_INSTALL=OFF >/dev/null
 # The ASan/UBSan options above are exported before the build, because the
-# build runs mha_tests once (gtest_discover_tests) to list the tests.
+# build runs mha_tests once (tests/gtest_suites.cmake) to list its suites.
 cmake --build "$build_dir" --parallel "$jobs" \
   --target mha_tests mha_thread_tests distributed_worker mha_fuzz_replay
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" \
