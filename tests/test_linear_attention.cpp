@@ -527,6 +527,26 @@ TEST_F(LinearAttentionPerformerTest, WalkEqualsBatchedForm) {
   }
 }
 
+// The walk's backward gives first derivatives only: create_graph through it
+// is an error that says so, not a silently missing second derivative.
+TEST_F(LinearAttentionTest, SecondDerivativeOfCausalFormIsAnError) {
+  auto q = torch::randn({1, 2, 10, 4}, kDouble).requires_grad_();
+  auto k = torch::randn({1, 2, 10, 4}, kDouble);
+  auto v = torch::randn({1, 2, 10, 3}, kDouble);
+  auto out = mha::linear_attention(q, k, v, /*is_causal=*/true);
+  EXPECT_THROW_MSG(torch::autograd::grad({out.sum()}, {q}, {},
+                                         /*retain_graph=*/true,
+                                         /*create_graph=*/true),
+                   "first derivatives only");
+  // Without create_graph: the gradient, as the dense form's.
+  auto grad = torch::autograd::grad({out.sum()}, {q})[0];
+  auto dense_q = q.detach().requires_grad_();
+  auto dense = dense_linear(mha::elu_feature_map(dense_q),
+                            mha::elu_feature_map(k), v, true);
+  expect_close(grad, torch::autograd::grad({dense.sum()}, {dense_q})[0], 1e-11,
+               0, "first derivative");
+}
+
 // Inputs of large norm keep FAVOR+ in range. With the heads' norms ~ 90
 // (scores q·k / sqrt(D) up to ~4400) the exponents (about -|k|²/2)
 // underflow exp in float32, so the plain features (favor_features through

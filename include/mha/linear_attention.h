@@ -75,7 +75,10 @@ torch::Tensor elu_feature_map(const torch::Tensor& x);
 /// computed by prefix sums over blocks of C = 64 rows (within a block the
 /// masked (C, C) product of eq. 4, across blocks the running sums of eq.
 /// 10-11), O(L·(C·(F + Dv) + F·Dv)) time and O(L·(C + F + Dv + F·Dv / C))
-/// memory per leading index: no (L, S) and no (L, F, Dv) tensor.
+/// memory per leading index: no (L, S) and no (L, F, Dv) tensor. On the
+/// CPU in float32 and float64 each leading index walks its blocks on one
+/// of ATen's threads, and backward is a walk of the same kind; elsewhere
+/// the blocks run as batched ATen ops.
 ///
 /// Args:
 ///   query: (..., L, D) floating (float32, float64, or a reduced type the
@@ -90,7 +93,10 @@ torch::Tensor elu_feature_map(const torch::Tensor& x);
 ///
 /// Throws c10::Error naming the argument for fewer than 2 dims, a key or
 /// value of another D, S, dtype or device, a feature map that returns
-/// another leading shape or dtype for query and key.
+/// another leading shape or dtype for query and key; and, from backward,
+/// for a second derivative of the causal form on the CPU in float32 or
+/// float64 (create_graph = true through it: its walk's gradients are
+/// first derivatives only).
 ///
 /// Equivalent LibTorch math (dense O(L·S), the test's reference):
 ///   auto a = torch::matmul(phi(q), phi(k).transpose(-2, -1));  // (..., L, S)

@@ -273,6 +273,13 @@ class CausalProductsFunction
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
+    // Grad mode on in backward: create_graph, which the walks below cannot
+    // give (they record nothing), so a second derivative would be silently
+    // missing.
+    TORCH_CHECK(!torch::GradMode::is_enabled(),
+                "linear attention: the causal form on the CPU (float32, "
+                "float64) has first derivatives only; a backward with "
+                "create_graph=true through it is not supported");
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v1 = saved[2];
     const auto tensor_of = [&](const char* name) {
