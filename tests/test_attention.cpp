@@ -2305,6 +2305,31 @@ TEST(BatchedGemmOut, MatchesAtenBmmBitForBit) {
   }
 }
 
+// The blocked path's backward gives first derivatives only: create_graph
+// through it is an error that says so (in the one-block form and the
+// per-block form), and a plain backward still gives the gradient.
+TEST(BlockedAttention, SecondDerivativeIsAnErrorThatSaysSo) {
+  for (const int64_t L : {8, 300}) {
+    auto q = torch::randn({1, 2, L, 4}, torch::kFloat64).requires_grad_();
+    auto k = torch::randn({1, 2, L, 4}, torch::kFloat64);
+    auto v = torch::randn({1, 2, L, 4}, torch::kFloat64);
+    auto out = std::get<0>(mha::scaled_dot_product_attention(q, k, v));
+    ASSERT_EQ(mha::detail::last_attention_path(),
+              mha::detail::AttentionPath::kBlocked);
+    EXPECT_THROW_MSG(torch::autograd::grad({out.pow(2).sum()}, {q}, {},
+                                           /*retain_graph=*/true,
+                                           /*create_graph=*/true),
+                     "first derivatives only");
+    auto grad = torch::autograd::grad({out.pow(2).sum()}, {q})[0];
+    auto dense_q = q.detach().requires_grad_();
+    auto dense =
+        torch::softmax(torch::matmul(dense_q, k.transpose(-2, -1)) / 2.0, -1)
+            .matmul(v);
+    auto expected = torch::autograd::grad({dense.pow(2).sum()}, {dense_q})[0];
+    EXPECT_TRUE(torch::allclose(grad, expected, 0, 1e-12)) << "L=" << L;
+  }
+}
+
 // Calls of at most 2^20 scores keep their weights for backward by default
 // (kAuto), larger ones recompute them; kept or recomputed, the gradients must
 // be the same bit for bit, so that the choice is speed only (the weights are

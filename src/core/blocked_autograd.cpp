@@ -109,6 +109,12 @@ BlockedGradients backward_from(
     const torch::Tensor& relative_bias,
     const torch::autograd::variable_list& grads,
     const std::function<BlockedGradients()>& make_buffers) {
+  // Grad mode on in backward means create_graph, which the kernels below
+  // cannot give: they record nothing (ATen's out= products would refuse
+  // it with a message that does not say why).
+  TORCH_CHECK(!torch::GradMode::is_enabled(),
+              "attention: the blocked CPU path has first derivatives only; a "
+              "backward with create_graph=true through it is not supported");
   auto grad_out = grads[0].defined()
                       ? grads[0]
                       : at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)},
