@@ -151,8 +151,6 @@ double geometric_mean(const std::vector<double>& v) {
   return std::exp(log_sum / static_cast<double>(v.size()));
 }
 
-/// Where an environment variable came from: mha-bench's re-execution
-/// (tune_runtime_environment) or the caller.
 /// The selected mode of /sys/kernel/mm/transparent_hugepage/enabled (the
 /// bracketed word of "always [madvise] never"), or "n/a".
 std::string transparent_hugepage_mode() {
@@ -167,6 +165,8 @@ std::string transparent_hugepage_mode() {
              : "n/a";
 }
 
+/// Where an environment variable came from: mha-bench's re-execution
+/// (tune_runtime_environment) or the caller.
 const char* source(const Environment& env, const char* variable) {
   return env.runtime_note.find(variable) != std::string::npos
              ? "set by mha-bench"
