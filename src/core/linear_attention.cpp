@@ -70,6 +70,53 @@ torch::Tensor blocks_of(const torch::Tensor& x, int64_t B, int64_t C) {
   return x.reshape(sizes);  // (..., B, C, X)
 }
 
+/// x (..., B, C, X) as its first T of B·C rows, (..., T, X).
+torch::Tensor rows_of_blocks(const torch::Tensor& x, int64_t T) {
+  auto sizes = x.sizes().vec();
+  const int64_t rows = sizes[sizes.size() - 3] * sizes[sizes.size() - 2];
+  sizes.erase(sizes.end() - 3, sizes.end() - 1);
+  sizes.insert(sizes.end() - 1, rows);
+  return x.reshape(sizes).narrow(-2, 0, T);  // (..., T, X)
+}
+
+/// Log features by blocks, shifted so that every sum stays in range: the
+/// offsets of block b, per feature, are the largest key exponents up to
+/// the end of block b (a running maximum over blocks, and `sums`'
+/// offsets); its keys are shifted by them, its queries by them and then
+/// by each row's largest (shifted_exp).
+struct ShiftedBlocks {
+  torch::Tensor q, k;    // (..., B, C, F): the features
+  torch::Tensor peak;    // (..., B, F): each block's offsets (-inf: no key)
+  torch::Tensor factor;  // (..., B, F): brings the sums before block b (or
+                         // `sums`) to block b's offsets
+};
+
+/// ShiftedBlocks of the exponents q and k (..., B, C, F), in place where
+/// autograd allows (exp_ keeps its result, sub and add keep nothing): one
+/// tensor of the features' size each.
+ShiftedBlocks shift_blocks(const torch::Tensor& q, const torch::Tensor& k,
+                           const LinearSums& sums) {
+  ShiftedBlocks out;
+  out.peak = std::get<0>(k.detach().amax(-2).cummax(-2));  // (..., B, F)
+  if (!sums.empty()) {
+    out.peak = torch::maximum(out.peak, sums.offset.unsqueeze(-2));
+  }
+  const auto shift = finite_offset(out.peak);
+  out.k = (k - shift.unsqueeze(-2)).exp_();
+  auto b = q + out.peak.unsqueeze(-2);  // (..., B, C, F)
+  const auto top = b.detach().amax(-1, /*keepdim=*/true);
+  out.q = b.sub_(finite_offset(top)).exp_();  // shifted_exp(b)
+  // The running sums move from one block's offsets to the next one's:
+  // S_b = S_(b-1) · exp(offset_(b-1) - offset_b) + block_b.
+  const int64_t B = out.peak.size(-2);
+  auto previous = sums.empty()
+                      ? torch::full_like(out.peak.narrow(-2, 0, 1), kNegInf)
+                      : sums.offset.unsqueeze(-2);  // (..., 1, F)
+  auto from = torch::cat({previous, out.peak.narrow(-2, 0, B - 1)}, -2);
+  out.factor = rescale_factor(from, shift);  // (..., B, F)
+  return out;
+}
+
 }  // namespace
 
 LinearSums add_keys(const LinearSums& sums, const Features& keys,
@@ -153,18 +200,14 @@ torch::Tensor causal_blocks(const Features& queries, const Features& keys,
   auto k = blocks_of(pad_rows(keys.values, Tp, fill), B, C);  // (..., B, C, F)
   auto v = blocks_of(pad_rows(values, Tp), B, C);             // (..., B, C, Dv)
 
-  // Log features: the offsets of block b, per feature, are the largest
-  // exponents up to the end of block b (a running maximum over blocks);
-  // its keys and queries are shifted by them.
-  torch::Tensor peak, shift;  // (..., B, F)
+  // Log features: shifted by their block's offsets (shift_blocks).
+  torch::Tensor peak, factor;  // (..., B, F)
   if (log) {
-    peak = std::get<0>(k.detach().amax(-2).cummax(-2));  // (..., B, F)
-    if (!sums.empty()) {
-      peak = torch::maximum(peak, sums.offset.unsqueeze(-2));
-    }
-    shift = finite_offset(peak);
-    k = torch::exp(k - shift.unsqueeze(-2));  // (..., B, C, F)
-    q = shifted_exp(q + peak.unsqueeze(-2));  // (..., B, C, F)
+    auto shifted = shift_blocks(q, k, sums);
+    q = shifted.q;  // (..., B, C, F)
+    k = shifted.k;  // (..., B, C, F)
+    peak = shifted.peak;
+    factor = shifted.factor;
   }
 
   // Each block's own sums (Katharopoulos et al., eq. 10-11, per block).
@@ -190,12 +233,7 @@ torch::Tensor causal_blocks(const Features& queries, const Features& keys,
     }
   } else {
     // The running sums, rescaled from one block's offsets to the next
-    // one's: S_b = S_(b-1) · exp(offset_(b-1) - offset_b) + block_b.
-    auto previous = sums.empty()
-                        ? torch::full_like(peak.narrow(-2, 0, 1), kNegInf)
-                        : sums.offset.unsqueeze(-2);  // (..., 1, F)
-    auto from = torch::cat({previous, peak.narrow(-2, 0, B - 1)}, -2);
-    auto factor = rescale_factor(from, shift);  // (..., B, F)
+    // one's by `factor`.
     torch::Tensor running_kv, running_k;
     if (sums.empty()) {
       running_kv = torch::zeros_like(block_kv.select(-3, 0));  // (..., F, Dv)
@@ -240,19 +278,16 @@ torch::Tensor causal_blocks(const Features& queries, const Features& keys,
   num = num + torch::matmul(a, v);          // (..., B, C, Dv)
   den = den + a.sum(-1, /*keepdim=*/true);  // (..., B, C, 1)
   auto out = safe_divide(num, den);         // (..., B, C, Dv)
-  auto sizes = out.sizes().vec();
-  sizes.erase(sizes.end() - 3, sizes.end() - 1);
-  sizes.insert(sizes.end() - 1, Tp);
   if (sums_out != nullptr) {
     *sums_out = last;
   }
-  return out.reshape(sizes).narrow(-2, 0, T);  // (..., T, Dv)
+  return rows_of_blocks(out, T);  // (..., T, Dv)
 }
 
 /// causal_linear_attention through causal_products: features and values
 /// broadcast to one leading shape of N items (the module's keys are shared
-/// by G query heads), log features shifted per block as causal_blocks
-/// does, the offsets' moves as decay factors.
+/// by G query heads), log features shifted per block (shift_blocks), the
+/// offsets' moves as decay factors.
 torch::Tensor causal_walk(const Features& queries, const Features& keys,
                           const torch::Tensor& values, const LinearSums& sums,
                           int64_t block, LinearSums* sums_out) {
@@ -265,30 +300,13 @@ torch::Tensor causal_walk(const Features& queries, const Features& keys,
   torch::Tensor peak, decay;  // (..., B, F)
   if (keys.log) {
     const int64_t Tp = B * C;
-    auto qb = blocks_of(pad_rows(q, Tp, kNegInf), B, C);  // (..., B, C, F)
-    auto kb = blocks_of(pad_rows(k, Tp, kNegInf), B, C);  // (..., B, C, F)
-    peak = std::get<0>(kb.detach().amax(-2).cummax(-2));  // (..., B, F)
-    if (!sums.empty()) {
-      peak = torch::maximum(peak, sums.offset.unsqueeze(-2));
-    }
-    const auto shift = finite_offset(peak);
-    const auto rows = [&](const torch::Tensor& x) {  // (..., T, F)
-      auto sizes = x.sizes().vec();
-      sizes.erase(sizes.end() - 3, sizes.end() - 1);
-      sizes.insert(sizes.end() - 1, Tp);
-      return x.reshape(sizes).narrow(-2, 0, T);
-    };
-    // In place where autograd allows (exp_ keeps its result, sub and add
-    // keep nothing): one tensor of the features' size each.
-    k = rows((kb - shift.unsqueeze(-2)).exp_());
-    auto b = qb + peak.unsqueeze(-2);  // (..., B, C, F)
-    const auto top = b.detach().amax(-1, /*keepdim=*/true);
-    q = rows(b.sub_(finite_offset(top)).exp_());  // shifted_exp(b)
-    auto previous = sums.empty()
-                        ? torch::full_like(peak.narrow(-2, 0, 1), kNegInf)
-                        : sums.offset.unsqueeze(-2);  // (..., 1, F)
-    auto from = torch::cat({previous, peak.narrow(-2, 0, B - 1)}, -2);
-    decay = rescale_factor(from, shift);  // (..., B, F)
+    auto shifted = shift_blocks(
+        blocks_of(pad_rows(q, Tp, kNegInf), B, C),  // (..., B, C, F)
+        blocks_of(pad_rows(k, Tp, kNegInf), B, C), sums);
+    q = rows_of_blocks(shifted.q, T);
+    k = rows_of_blocks(shifted.k, T);
+    peak = shifted.peak;
+    decay = shifted.factor;
   }
   const auto lead_of = [](const torch::Tensor& x) {
     return x.sizes().slice(0, x.dim() - 2).vec();
