@@ -2374,14 +2374,55 @@ const std::vector<std::array<int64_t, 4>> kProjectionShapes{
     {2, 128, 256, 768}, {2, 520, 16, 1040}, {1, 5, 8, 3}, {1, 1, 1, 4},
     {3, 1, 16, 1},      {2, 0, 4, 6},       {2, 3, 4, 0}, {2, 3, 0, 5}};
 
-// detail::project without a gradient to record copies the bias rows itself
-// and makes addmm's BLAS call (gemm_matrix): its results must be at::addmm's
-// bit for bit, in both layouts it takes (batch-first, and the (N, T, F) view
-// of a seq-first tensor, whose (T, N) rows addmm takes in place), with the
+// Whether detail::project's float32 products go through oneDNN (in fixed
+// chunks of rows) rather than addmm's BLAS call.
+bool projection_on_onednn(torch::ScalarType dtype) {
+  return dtype == torch::kFloat32 &&
+         mha::detail::direct_gemm_available(dtype) &&
+         mha::detail::onednn_products_available();
+}
+
+// Checks a projection's float32 product `got` against at::addmm's
+// `expected`: bit for bit where addmm's BLAS call computes it, else within
+// float32's rounding of the exact value, whatever the order of the k
+// products: |got - exact| <= (k + 2) · 2^-24 · (|a| · |b| + |c|), with
+// exact and the bound in float64 (a, b, c the float32 operands of
+// c + a · b; k = a's columns). An empty `a` means only equality is checked.
+void expect_projection_product(const torch::Tensor& got,
+                               const torch::Tensor& expected, bool rounded,
+                               const torch::Tensor& a, const torch::Tensor& b,
+                               const torch::Tensor& c, const char* what) {
+  ASSERT_EQ(got.sizes(), expected.sizes()) << what;
+  if (!rounded || got.numel() == 0) {
+    EXPECT_TRUE(torch::equal(got, expected))
+        << what << " max abs difference "
+        << (got - expected).abs().max().item<double>();
+    return;
+  }
+  const auto a64 = a.to(torch::kFloat64), b64 = b.to(torch::kFloat64);
+  auto exact = a64.mm(b64);
+  auto scale = a64.abs().mm(b64.abs());
+  if (c.defined()) {
+    exact = exact + c.to(torch::kFloat64);
+    scale = scale + c.to(torch::kFloat64).abs();
+  }
+  const auto bound = scale * (static_cast<double>(a.size(1) + 2) * 0x1p-24);
+  const auto error = (got.to(torch::kFloat64) - exact).abs();
+  EXPECT_TRUE((error <= bound).all().item<bool>())
+      << what << " error " << error.max().item<double>() << " exceeds "
+      << "the rounding bound";
+}
+
+// detail::project without a gradient to record: float64 (and float32 where
+// oneDNN is not loaded) copies the bias rows itself and makes addmm's BLAS
+// call (gemm_matrix), so its results must be at::addmm's bit for bit;
+// float32 through oneDNN must be within float32's rounding of the exact
+// product. Both layouts it takes (batch-first, and the (N, T, F) view of a
+// seq-first tensor, whose (T, N) rows addmm takes in place), with the
 // packed weight's row slices the modules pass, for empty shapes too (no rows,
 // no outputs, no inputs), for an output over 2^20 elements (its bias rows
 // copied by ATen's parallel copy instead), and the same as under autograd.
-TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
+TEST(Projection, WithoutGradientMatchesAtenAddmm) {
   torch::manual_seed(9);
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     const auto opts = torch::TensorOptions().dtype(dtype);
@@ -2412,11 +2453,14 @@ TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
         SCOPED_TRACE(::testing::Message()
                      << c10::toString(dtype) << " (" << N << ", " << T << ", "
                      << F << ") -> " << Fout << " seq_first " << seq_first);
-        ASSERT_EQ(without_grad.sizes(), expected.sizes());
-        EXPECT_TRUE(torch::equal(without_grad, expected))
-            << "max abs difference "
-            << (without_grad - expected).abs().max().item<double>();
-        EXPECT_TRUE(torch::equal(with_grad.detach(), expected));
+        // In x_rows's row order.
+        const auto rows = [&](const torch::Tensor& y) {
+          return (seq_first ? y.transpose(0, 1) : y).reshape({N * T, Fout});
+        };
+        expect_projection_product(
+            rows(without_grad), rows(expected), projection_on_onednn(dtype),
+            x_rows.reshape({N * T, F}), w.t(), b, "output");
+        EXPECT_TRUE(torch::equal(with_grad.detach(), without_grad));
         ASSERT_TRUE(with_grad.requires_grad());
       }
     }
@@ -2429,11 +2473,13 @@ TEST(Projection, WithoutGradientMatchesAtenAddmmBitForBit) {
 }
 
 // With a gradient to record, project runs its own autograd function; its
-// gradients must be those of at::addmm's autograd (AddmmBackward0) bit for
-// bit, for every subset of x, w and b that asks for one, with a row-major
-// or a transposed weight, whatever layout the upstream gradient has, and to
-// second order.
-TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
+// gradients must be those of at::addmm's autograd (AddmmBackward0), for
+// every subset of x, w and b that asks for one, with a row-major or a
+// transposed weight, whatever layout the upstream gradient has, and to
+// second order: bit for bit, but for the output and the gradients of x
+// and w in float32 through oneDNN, which must be within float32's rounding
+// (b's gradient stays addmm's sum there too).
+TEST(Projection, GradientsMatchAtenAddmm) {
   torch::manual_seed(10);
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     const auto opts = torch::TensorOptions().dtype(dtype);
@@ -2479,6 +2525,15 @@ TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
             return std::array<torch::Tensor, 4>{y.detach(), x.grad(), pw.grad(),
                                                 pb.grad()};
           };
+          // The operands of the output's and x's gradient's products.
+          const auto x_rows = seq_first && !x0.is_contiguous()
+                                  ? x0.transpose(0, 1).reshape({T * N, F})
+                                  : x0.reshape({N * T, F});
+          const auto w = packed_w.narrow(0, 1, Fout);
+          const auto g =
+              seq_first && !x0.is_contiguous()
+                  ? upstream.permute({1, 2, 0}).reshape({T * N, Fout})
+                  : upstream.permute({2, 1, 0}).reshape({N * T, Fout});
           const auto expected = run(true);
           const auto got = run(false);
           SCOPED_TRACE(::testing::Message()
@@ -2486,10 +2541,37 @@ TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
                        << F << ") -> " << Fout << " seq_first " << seq_first
                        << " gradients of x/w/b " << wants);
           const char* names[] = {"output", "x.grad", "w.grad", "b.grad"};
+          const bool rounded = projection_on_onednn(dtype);
+          // A tensor of (N, T, features) as rows in x_rows's order.
+          const auto rows = [&](const torch::Tensor& t) {
+            return (seq_first && !x0.is_contiguous() ? t.transpose(0, 1) : t)
+                .reshape({N * T, t.size(2)});
+          };
           for (size_t i = 0; i < got.size(); ++i) {
             ASSERT_EQ(got[i].defined(), expected[i].defined()) << names[i];
-            if (expected[i].defined()) {
-              ASSERT_EQ(got[i].sizes(), expected[i].sizes()) << names[i];
+            if (!expected[i].defined()) {
+              continue;
+            }
+            ASSERT_EQ(got[i].sizes(), expected[i].sizes()) << names[i];
+            if (i == 0) {
+              expect_projection_product(rows(got[0]), rows(expected[0]),
+                                        rounded, x_rows, w.t(),
+                                        b0.narrow(0, 2, Fout), names[0]);
+            } else if (i == 1) {  // x's gradient g · w
+              expect_projection_product(rows(got[1]), rows(expected[1]),
+                                        rounded, g, w, {}, names[1]);
+            } else if (i == 2) {
+              // The packed weight's gradient: gᵀ · x in w's rows, zeros in
+              // the rows around them.
+              const auto wg = transposed_w ? got[2].t() : got[2];
+              const auto we = transposed_w ? expected[2].t() : expected[2];
+              expect_projection_product(wg.narrow(0, 1, Fout),
+                                        we.narrow(0, 1, Fout), rounded, g.t(),
+                                        x_rows, {}, names[2]);
+              EXPECT_TRUE(torch::equal(wg.narrow(0, 0, 1), we.narrow(0, 0, 1)));
+              EXPECT_TRUE(torch::equal(wg.narrow(0, Fout + 1, 1),
+                                       we.narrow(0, Fout + 1, 1)));
+            } else {
               EXPECT_TRUE(torch::equal(got[i], expected[i]))
                   << names[i] << " max abs difference "
                   << (got[i] - expected[i]).abs().max().item<double>();
@@ -2500,25 +2582,91 @@ TEST(Projection, GradientsMatchAtenAddmmBitForBit) {
     }
   }
   // Second order, as a gradient penalty takes it: the gradient of x's
-  // gradient reaches w as through addmm's own double backward.
-  auto second_order = [](bool reference) {
-    torch::manual_seed(11);
-    auto x = torch::randn({2, 3, 4}).requires_grad_();
-    auto w = torch::randn({5, 4}).requires_grad_();
-    auto b = torch::randn({5}).requires_grad_();
-    const auto y = reference
-                       ? at::addmm(b, x.reshape({6, 4}), w.t()).view({2, 3, 5})
-                       : mha::detail::project(x, w, b);
-    const auto gx = torch::autograd::grad({y.pow(2).sum()}, {x}, {},
-                                          /*retain_graph=*/true,
-                                          /*create_graph=*/true)[0];
-    gx.pow(2).sum().backward();
-    return std::make_pair(w.grad(), b.grad());
-  };
-  const auto expected = second_order(true);
-  const auto got = second_order(false);
-  EXPECT_TRUE(torch::equal(got.first, expected.first));
-  EXPECT_TRUE(torch::equal(got.second, expected.second));
+  // gradient reaches w as through addmm's own double backward (bit for bit
+  // in float64; in float32 the forward's oneDNN rounding moves the values
+  // at that level).
+  for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    auto second_order = [dtype](bool reference) {
+      torch::manual_seed(11);
+      const auto opts = torch::TensorOptions().dtype(dtype);
+      auto x = torch::randn({2, 3, 4}, opts).requires_grad_();
+      auto w = torch::randn({5, 4}, opts).requires_grad_();
+      auto b = torch::randn({5}, opts).requires_grad_();
+      const auto y =
+          reference ? at::addmm(b, x.reshape({6, 4}), w.t()).view({2, 3, 5})
+                    : mha::detail::project(x, w, b);
+      const auto gx = torch::autograd::grad({y.pow(2).sum()}, {x}, {},
+                                            /*retain_graph=*/true,
+                                            /*create_graph=*/true)[0];
+      gx.pow(2).sum().backward();
+      return std::make_pair(w.grad(), b.grad());
+    };
+    const auto expected = second_order(true);
+    const auto got = second_order(false);
+    SCOPED_TRACE(c10::toString(dtype));
+    ASSERT_TRUE(got.first.defined() && got.second.defined());
+    if (projection_on_onednn(dtype)) {
+      EXPECT_TRUE(torch::allclose(got.first, expected.first, 1e-5, 1e-5));
+      EXPECT_TRUE(torch::allclose(got.second, expected.second, 1e-5, 1e-5));
+    } else {
+      EXPECT_TRUE(torch::equal(got.first, expected.first));
+      EXPECT_TRUE(torch::equal(got.second, expected.second));
+    }
+  }
+}
+
+// A float32 projection's results through oneDNN (output and the gradients
+// of x, w and b) must not depend on the threads that compute them: equal
+// bit for bit with ATen's and OpenBLAS's thread counts at 1, 2 and 3, on
+// shapes of two chunks of rows (onednn_rows), of several with a shorter
+// last one, a decoding step's one row and the default table's
+// in-projection at (4, 1024, 512, 8). (float64's products are addmm's,
+// whose OpenBLAS results differ in the last bits between 1 and 3 threads.)
+TEST(Projection, ResultsDoNotDependOnTheThreadCount) {
+  if (!projection_on_onednn(torch::kFloat32)) {
+    GTEST_SKIP() << "float32 projections are addmm's here (no oneDNN)";
+  }
+  const int aten_threads = at::get_num_threads();
+  const int blas_threads = mha::detail::openblas_threads();
+  for (const auto dtype : {torch::kFloat32}) {
+    const auto opts = torch::TensorOptions().dtype(dtype);
+    for (const auto& [N, T, F, Fout] :
+         std::vector<std::array<int64_t, 4>>{{2, 100, 64, 192},
+                                             {2, 600, 96, 96},
+                                             {3, 1, 512, 1536},
+                                             {4, 1024, 512, 1536}}) {
+      torch::manual_seed(12);
+      const auto x0 = torch::randn({N, T, F}, opts);
+      const auto w0 = torch::randn({Fout, F}, opts) / std::sqrt(F);
+      const auto b0 = torch::randn({Fout}, opts);
+      const auto upstream = torch::randn({N, T, Fout}, opts);
+      std::vector<std::array<torch::Tensor, 4>> results;
+      for (const int threads : {1, 2, 3}) {
+        at::set_num_threads(threads);
+        mha::detail::set_openblas_threads(threads);
+        auto x = x0.clone().requires_grad_();
+        auto w = w0.clone().requires_grad_();
+        auto b = b0.clone().requires_grad_();
+        const auto y = mha::detail::project(x, w, b);
+        (y * upstream).sum().backward();
+        results.push_back({y.detach(), x.grad(), w.grad(), b.grad()});
+      }
+      at::set_num_threads(aten_threads);
+      if (blas_threads > 0) {
+        mha::detail::set_openblas_threads(blas_threads);
+      }
+      const char* names[] = {"output", "x.grad", "w.grad", "b.grad"};
+      for (size_t t = 1; t < results.size(); ++t) {
+        for (size_t i = 0; i < 4; ++i) {
+          EXPECT_TRUE(torch::equal(results[t][i], results[0][i]))
+              << c10::toString(dtype) << " (" << N << ", " << T << ", " << F
+              << ") -> " << Fout << " " << names[i] << " at " << t + 1
+              << " threads differs from 1 thread by "
+              << (results[t][i] - results[0][i]).abs().max().item<double>();
+        }
+      }
+    }
+  }
 }
 
 /// The operands of one case of the gemm tests below: a (m x k) and b

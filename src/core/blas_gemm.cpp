@@ -243,28 +243,36 @@ bool onednn_gemm_available() { return OneDnn::instance().sgemm != nullptr; }
 
 std::string onednn_gemm_version() { return OneDnn::instance().version; }
 
-bool onednn_gemm_matrix(const StridedMatrix& a, const StridedMatrix& b,
-                        double alpha, double beta, const StridedMatrix& c) {
+bool onednn_gemm_takes(const StridedMatrix& a, const StridedMatrix& b,
+                       const StridedMatrix& c) {
   TORCH_INTERNAL_ASSERT(a.rows == c.rows && b.cols == c.cols &&
                         a.cols == b.rows);
-  const auto sgemm = OneDnn::instance().sgemm;
   const int64_t m = c.rows, n = c.cols, k = a.cols;
-  if (sgemm == nullptr || m == 0 || n == 0 || k == 0) {
+  if (OneDnn::instance().sgemm == nullptr || m == 0 || n == 0 || k == 0) {
     return false;
   }
   // Row-major operands: Operand's column-major view of the transpose.
   // Its 'N' (unit column stride) is row-major 'N' with leading dim ld.
+  const Operand oc = operand(m, n, c.row_stride, c.col_stride);
+  return operand(m, k, a.row_stride, a.col_stride).ok &&
+         operand(k, n, b.row_stride, b.col_stride).ok && oc.ok &&
+         oc.trans == 'N';
+}
+
+bool onednn_gemm_matrix(const StridedMatrix& a, const StridedMatrix& b,
+                        double alpha, double beta, const StridedMatrix& c) {
+  if (!onednn_gemm_takes(a, b, c)) {
+    return false;
+  }
+  const int64_t m = c.rows, n = c.cols, k = a.cols;
   const Operand oa = operand(m, k, a.row_stride, a.col_stride);
   const Operand ob = operand(k, n, b.row_stride, b.col_stride);
   const Operand oc = operand(m, n, c.row_stride, c.col_stride);
-  if (!oa.ok || !ob.ok || !oc.ok || oc.trans != 'N') {
-    return false;
-  }
-  const int status =
-      sgemm(oa.trans, ob.trans, m, n, k, static_cast<float>(alpha),
-            static_cast<const float*>(a.data), oa.ld,
-            static_cast<const float*>(b.data), ob.ld, static_cast<float>(beta),
-            static_cast<float*>(c.data), oc.ld);
+  const int status = OneDnn::instance().sgemm(
+      oa.trans, ob.trans, m, n, k, static_cast<float>(alpha),
+      static_cast<const float*>(a.data), oa.ld,
+      static_cast<const float*>(b.data), ob.ld, static_cast<float>(beta),
+      static_cast<float*>(c.data), oc.ld);
   TORCH_CHECK(status == 0, "dnnl_sgemm failed with status ", status, " for ", m,
               " x ", k, " times ", k, " x ", n);
   return true;

@@ -106,6 +106,12 @@ bool onednn_gemm_matrix(const StridedMatrix& a, const StridedMatrix& b,
 /// True when onednn_gemm_matrix can run (see there).
 bool onednn_gemm_available();
 
+/// True when onednn_gemm_matrix would compute c = a · b (float32 memory of
+/// those shapes and strides) rather than return false: oneDNN is loaded,
+/// no dim is empty and the layout is one it takes.
+bool onednn_gemm_takes(const StridedMatrix& a, const StridedMatrix& b,
+                       const StridedMatrix& c);
+
 /// "oneDNN X.Y.Z" of the loaded library that onednn_gemm_matrix calls, or
 /// empty when it is not available (for the tools' environment line).
 std::string onednn_gemm_version();

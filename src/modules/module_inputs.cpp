@@ -9,7 +9,9 @@
 
 #include <cstring>
 
+#include "core/attention_core.h"
 #include "core/blas_gemm.h"
+#include "core/blocked_attention.h"
 #include "mha/masks.h"
 #include "modules/projection.h"
 
@@ -25,21 +27,106 @@ namespace {
 /// 585 against 407 µs, 8192 x 768 1066 against 665 µs.
 constexpr int64_t kCopyHereElements = int64_t{1} << 20;
 
-/// y (rows, F') = x2d (rows, F) · wᵀ + b as at::addmm(b, x2d, w.t()), with
-/// the bias rows copied first (on this thread when small); records no
-/// gradient itself (ProjectionFunction does that).
+/// Copies the bias b (F') into every row of y (rows, F') (contiguous rows).
+void copy_bias_rows(const torch::Tensor& b, const torch::Tensor& y) {
+  const auto row_bytes = static_cast<size_t>(y.size(1) * y.element_size());
+  const auto* bias = static_cast<const char*>(b.data_ptr());
+  auto* row = static_cast<char*>(y.data_ptr());
+  for (int64_t r = 0; row_bytes > 0 && r < y.size(0); ++r, row += row_bytes) {
+    std::memcpy(row, bias, row_bytes);
+  }
+}
+
+/// The rows of a product of `rows` rows that one oneDNN call computes
+/// (onednn_rows): an even number of chunks (two threads share them evenly)
+/// of at most about 512 rows, multiples of 8. A function of the row count
+/// alone, never of the threads. Measured (scratch programs, 2 threads,
+/// PASSIVE, float32, medians of 9; LibTorch 1.13 / 2.14):
+/// 4096 x 512 x 1536, the in-projection at (4, 1024, 512, 8), took 18.6 /
+/// 18.5 ms in chunks of 512 rows, 19.3 / 19.3 in 256 and 23.8 / 22.3 in
+/// 64, against 32.4 / 33.6 in at::addmm; 256 x 256 x 768 0.38 / 0.39 ms in
+/// two chunks of 128 against 0.53 / 0.52 in one; the weight gradient's
+/// 1536 x 4096 x 512 16.6 ms in chunks of 256 rows, 20.9 in 512 (three
+/// chunks for two threads: 1.13).
+int64_t onednn_chunk_rows(int64_t rows) {
+  constexpr int64_t kMostRows = 512;
+  const int64_t chunks = (rows + kMostRows - 1) / kMostRows;
+  const int64_t even = std::max<int64_t>(2, (chunks + 1) / 2 * 2);
+  const int64_t per_chunk = (rows + even - 1) / even;
+  return std::max<int64_t>(8, (per_chunk + 7) / 8 * 8);
+}
+
+/// Rows [start, start + count) of m.
+StridedMatrix matrix_rows(StridedMatrix m, int64_t start, int64_t count) {
+  m.data = static_cast<float*>(m.data) + start * m.row_stride;
+  m.rows = count;
+  return m;
+}
+
+/// c (m, n) = a (m, k) · b (k, n) + bias (n) (or without it where bias is
+/// undefined) for float32 CPU memory, through oneDNN's dnnl_sgemm: in
+/// chunks of onednn_chunk_rows(m) rows of a and c, one single-threaded call
+/// each (for_each_item, spread over ATen's threads; the bias rows copied
+/// into each chunk first). Each chunk's shape, and so every value's
+/// rounding, is a function of m, k and n: the result does not depend on the
+/// thread count. c must be a fresh contiguous (m, n) tensor. Returns false,
+/// with nothing written, where oneDNN cannot be held to one thread per call
+/// (onednn_products_available) or does not take the layout.
+///
+/// Why: the projections were at::addmm's calls, OpenBLAS's product, while
+/// oneDNN's runs 1.7-1.9x faster on the modules' shapes on this machine
+/// (measured at onednn_chunk_rows); its rows round differently (a
+/// different order of the k products), within float32's rounding of
+/// addmm's.
+bool onednn_rows(const StridedMatrix& a, const StridedMatrix& b,
+                 const torch::Tensor& bias, const torch::Tensor& c) {
+  const int64_t m = a.rows;
+  if (m == 0 || c.scalar_type() != torch::kFloat32 ||
+      !onednn_products_available()) {
+    return false;
+  }
+  const int64_t chunk = onednn_chunk_rows(m);
+  const int64_t chunks = (m + chunk - 1) / chunk;
+  const int64_t last = m - (chunks - 1) * chunk;
+  const auto cm = matrix_of(c);
+  if (!onednn_gemm_takes(matrix_rows(a, 0, std::min(chunk, m)), b,
+                         matrix_rows(cm, 0, std::min(chunk, m))) ||
+      !onednn_gemm_takes(matrix_rows(a, 0, last), b,
+                         matrix_rows(cm, 0, last))) {
+    return false;
+  }
+  for_each_item(
+      chunks, 0, c.options(),
+      [&](int64_t i, torch::Tensor&) {
+        const int64_t start = i * chunk, count = std::min(chunk, m - start);
+        if (bias.defined()) {
+          copy_bias_rows(bias, c.narrow(0, start, count));
+        }
+        onednn_gemm_matrix(matrix_rows(a, start, count), b, 1,
+                           bias.defined() ? 1 : 0,
+                           matrix_rows(cm, start, count));
+      },
+      ItemThreads::kAten, /*one_omp_thread=*/true);
+  return true;
+}
+
+/// y (rows, F') = x2d (rows, F) · wᵀ + b: through oneDNN in fixed chunks of
+/// rows where onednn_rows takes it (float32), else as at::addmm(b, x2d,
+/// w.t()), with the bias rows copied first (on this thread when small);
+/// records no gradient itself (ProjectionFunction does that).
 torch::Tensor addmm_rows(const torch::Tensor& x2d, const torch::Tensor& w,
                          const torch::Tensor& b) {
   auto y = at::empty({x2d.size(0), w.size(0)}, x2d.options());
+  if (onednn_rows(matrix_of(x2d), matrix_of(w).t(), b, y)) {
+    return y;
+  }
+  if (!b.defined()) {
+    return at::mm(x2d, w.t());
+  }
   if (y.numel() > kCopyHereElements) {
     y.copy_(b.expand_as(y));  // ATen's parallel copy, as addmm's
   } else {
-    const auto row_bytes = static_cast<size_t>(y.size(1) * y.element_size());
-    const auto* bias = static_cast<const char*>(b.data_ptr());
-    auto* row = static_cast<char*>(y.data_ptr());
-    for (int64_t r = 0; row_bytes > 0 && r < y.size(0); ++r, row += row_bytes) {
-      std::memcpy(row, bias, row_bytes);
-    }
+    copy_bias_rows(b, y);
   }
   gemm_matrix(y.scalar_type(), matrix_of(x2d), matrix_of(w).t(), 1,
               /*beta=*/1, matrix_of(y));
@@ -47,19 +134,25 @@ torch::Tensor addmm_rows(const torch::Tensor& x2d, const torch::Tensor& w,
 }
 
 /// addmm_rows under autograd: forward as addmm_rows, backward the gradients
-/// AddmmBackward0 gives at::addmm(b, x2d, w.t()) bit for bit (PyTorch's
-/// tools/autograd/derivatives.yaml, addmm with beta = alpha = 1, and
-/// FunctionsManual.cpp's mm_mat1_backward / mm_mat2_backward): the same
-/// at::mm calls on the same layouts, and the bias's gradient summed as the
-/// autograd engine sums a broadcast input's (at::sum_to).
+/// of AddmmBackward0 (PyTorch's tools/autograd/derivatives.yaml, addmm with
+/// beta = alpha = 1, and FunctionsManual.cpp's mm_mat1_backward /
+/// mm_mat2_backward): x2d's gradient grad · w and w's gradᵀ · x2d through
+/// onednn_rows where it takes them (float32, first derivatives), else the
+/// same at::mm calls on the same layouts; b's summed as the autograd engine
+/// sums a broadcast input's (at::sum_to). Where oneDNN is not used
+/// (float64, no oneDNN, create_graph), every gradient is addmm's bit for
+/// bit, and like addmm's may change with OpenBLAS's thread count (measured:
+/// float64 at 1 and 3 threads, in the last bits).
 class ProjectionFunction
     : public torch::autograd::Function<ProjectionFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
                                const torch::Tensor& x2d, const torch::Tensor& w,
-                               const torch::Tensor& b) {
+                               const torch::Tensor& b, bool has_bias) {
+    // Without a bias b is a stand-in (autograd functions take no undefined
+    // tensor in 1.13) that gets no gradient.
     ctx->save_for_backward({x2d, w});
-    return addmm_rows(x2d, w, b);
+    return addmm_rows(x2d, w, has_bias ? b : torch::Tensor());
   }
 
   static torch::autograd::variable_list backward(
@@ -75,20 +168,30 @@ class ProjectionFunction
       return m.stride(0) == 1 && m.stride(1) == m.size(0);
     };
     if (ctx->needs_input_grad(0)) {
-      // mm_mat1_backward with mat2 = wᵀ: a column-major x2d (one row of one
-      // feature) takes the transposed product.
-      grad_x = column_major(x2d) ? w.t().mm(grad.t()).t() : grad.mm(w);
+      // Under create_graph (grad mode on here) the product must be
+      // recorded for a second derivative: at::mm's.
+      grad_x = at::empty(x2d.sizes(), grad.options());
+      if (torch::GradMode::is_enabled() ||
+          !onednn_rows(matrix_of(grad), matrix_of(w), {}, grad_x)) {
+        // mm_mat1_backward with mat2 = wᵀ: a column-major x2d (one row of
+        // one feature) takes the transposed product.
+        grad_x = column_major(x2d) ? w.t().mm(grad.t()).t() : grad.mm(w);
+      }
     }
     if (ctx->needs_input_grad(1)) {
-      // mm_mat2_backward with mat2 = wᵀ, column-major when w is row-major
-      // (a module's weight): (gradᵀ · x2d)ᵀ, else x2dᵀ · grad; either
-      // transposed back by wᵀ's own backward.
-      grad_w = column_major(w.t()) ? grad.t().mm(x2d) : x2d.t().mm(grad).t();
+      grad_w = at::empty(w.sizes(), grad.options());
+      if (torch::GradMode::is_enabled() ||
+          !onednn_rows(matrix_of(grad).t(), matrix_of(x2d), {}, grad_w)) {
+        // mm_mat2_backward with mat2 = wᵀ, column-major when w is row-major
+        // (a module's weight): (gradᵀ · x2d)ᵀ, else x2dᵀ · grad; either
+        // transposed back by wᵀ's own backward.
+        grad_w = column_major(w.t()) ? grad.t().mm(x2d) : x2d.t().mm(grad).t();
+      }
     }
     if (ctx->needs_input_grad(2)) {
       grad_b = at::sum_to(grad, at::IntArrayRef{grad.size(1)});
     }
-    return {grad_x, grad_w, grad_b};
+    return {grad_x, grad_w, grad_b, torch::Tensor()};
   }
 };
 
@@ -108,20 +211,21 @@ torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w,
                             (x.requires_grad() || w.requires_grad() ||
                              (b.defined() && b.requires_grad()));
   torch::Tensor y;
-  if (!b.defined()) {
-    y = at::mm(x2d, w.t());
-  } else if (x.device().is_cpu() && w.device().is_cpu() &&
-             b.device().is_cpu() && w.dim() == 2 && w.size(1) == x.size(2) &&
-             b.dim() == 1 && b.is_contiguous() && b.size(0) == w.size(0) &&
-             w.scalar_type() == x.scalar_type() &&
-             b.scalar_type() == x.scalar_type() &&
-             direct_gemm_available(x.scalar_type())) {
+  const bool bias_ok =
+      !b.defined() ||
+      (b.device().is_cpu() && b.dim() == 1 && b.is_contiguous() &&
+       b.size(0) == w.size(0) && b.scalar_type() == x.scalar_type());
+  if (x.device().is_cpu() && w.device().is_cpu() && w.dim() == 2 &&
+      w.size(1) == x.size(2) && w.scalar_type() == x.scalar_type() && bias_ok &&
+      direct_gemm_available(x.scalar_type())) {
     // Anything else (other devices, dtypes or shapes, which addmm reports)
-    // takes at::addmm.
-    y = records_grad ? ProjectionFunction::apply(x2d, w, b)
-                     : addmm_rows(x2d, w, b);
+    // takes at::addmm (at::mm without a bias).
+    y = !records_grad ? addmm_rows(x2d, w, b)
+        : b.defined() ? ProjectionFunction::apply(x2d, w, b, true)
+                      : ProjectionFunction::apply(
+                            x2d, w, at::empty({0}, x2d.options()), false);
   } else {
-    y = at::addmm(b, x2d, w.t());
+    y = b.defined() ? at::addmm(b, x2d, w.t()) : at::mm(x2d, w.t());
   }
   return y.view({x.size(0), x.size(1), w.size(0)});  // (N, T, F')
 }
