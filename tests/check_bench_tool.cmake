@@ -335,6 +335,8 @@ foreach(i 0 1)
   string(JSON p_reps GET "${projections_json}" projections ${i} reps)
   string(JSON p_projections GET "${projections_json}" projections ${i}
          projections_ms)
+  string(JSON p_ours GET "${projections_json}" projections ${i}
+         mha_projections_ms)
   string(JSON p_nn GET "${projections_json}" projections ${i} torch_nn_ms)
   string(JSON p_mha GET "${projections_json}" projections ${i} mha_ms)
   if(i EQUAL 0)
@@ -344,10 +346,10 @@ foreach(i 0 1)
   endif()
   if(NOT p_config STREQUAL "(1,32,16,2)" OR NOT p_mode STREQUAL expected_mode
      OR NOT p_reps EQUAL 3 OR NOT p_projections GREATER 0 OR
-     NOT p_nn GREATER 0 OR NOT p_mha GREATER 0)
+     NOT p_ours GREATER 0 OR NOT p_nn GREATER 0 OR NOT p_mha GREATER 0)
     message(FATAL_ERROR "projections row ${i}: ${p_config} ${p_mode}, reps "
-            "${p_reps}, projections ${p_projections} ms, torch::nn ${p_nn} "
-            "ms, mha ${p_mha} ms")
+            "${p_reps}, projections ${p_projections} ms (mha's "
+            "${p_ours}), torch::nn ${p_nn} ms, mha ${p_mha} ms")
   endif()
 endforeach()
 if(NOT last_output MATCHES "\nprojections: " OR

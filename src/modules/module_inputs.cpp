@@ -66,10 +66,11 @@ StridedMatrix matrix_rows(StridedMatrix m, int64_t start, int64_t count) {
 /// c (m, n) = a (m, k) · b (k, n) + bias (n) (or without it where bias is
 /// undefined) for float32 CPU memory, through oneDNN's dnnl_sgemm: in
 /// chunks of onednn_chunk_rows(m) rows of a and c, one single-threaded call
-/// each (for_each_item, spread over ATen's threads; the bias rows copied
-/// into each chunk first). Each chunk's shape, and so every value's
-/// rounding, is a function of m, k and n: the result does not depend on the
-/// thread count. c must be a fresh contiguous (m, n) tensor. Returns false,
+/// each (for_each_item; the bias rows copied into each chunk first),
+/// spread over OpenBLAS's threads where the blocked core's items run there
+/// (openblas_item_threads), else over ATen's. Each chunk's shape, and so every
+/// value's rounding, is a function of m, k and n: the result does not depend on
+/// the thread count. c must be a fresh contiguous (m, n) tensor. Returns false,
 /// with nothing written, where oneDNN cannot be held to one thread per call
 /// (onednn_products_available) or does not take the layout.
 ///
@@ -77,7 +78,12 @@ StridedMatrix matrix_rows(StridedMatrix m, int64_t start, int64_t count) {
 /// oneDNN's runs 1.7-1.9x faster on the modules' shapes on this machine
 /// (measured at onednn_chunk_rows); its rows round differently (a
 /// different order of the k products), within float32's rounding of
-/// addmm's.
+/// addmm's. OpenBLAS's threads over ATen's: mha-bench, 1.13, 2 threads,
+/// PASSIVE, two alternating rounds of 9 repetitions: (4, 1024, 512, 8)
+/// forward+backward 199.9 / 207.7 ms against 260.6 / 257.3 on ATen's
+/// (245.6 with addmm), inference 57.9 / 52.8 against 68.4 / 56.3 (73.9);
+/// (1, 8192, 256, 4) forward+backward 1086 / 1039 against 1163 / 1114
+/// (1219), inference 252 / 265 against 280 / 284 (280).
 bool onednn_rows(const StridedMatrix& a, const StridedMatrix& b,
                  const torch::Tensor& bias, const torch::Tensor& c) {
   const int64_t m = a.rows;
@@ -106,7 +112,9 @@ bool onednn_rows(const StridedMatrix& a, const StridedMatrix& b,
                            bias.defined() ? 1 : 0,
                            matrix_rows(cm, start, count));
       },
-      ItemThreads::kAten, /*one_omp_thread=*/true);
+      openblas_item_threads() >= 2 ? ItemThreads::kOpenBlas
+                                   : ItemThreads::kAten,
+      /*one_omp_thread=*/true);
   return true;
 }
 

@@ -26,6 +26,7 @@
 #include "core/attention_core.h"
 #include "mha/mha.h"
 #include "mha/parity.h"
+#include "modules/projection.h"
 
 namespace mha::bench {
 
@@ -100,14 +101,17 @@ Contenders make_encoder(const Shape& s, const torch::Tensor& x,
   return c;
 }
 
-/// The work every self-attention contender shares, on `ref`'s weights (own
+/// The projections of a self-attention contender, on `ref`'s weights (own
 /// copies, so that gradients stay apart): x (L, N, E) through the packed
 /// in-projection, its value third (L, N, E) straight through out_proj, no
 /// attention between; the mode's grad mode, and in fwd-bwd the backward of
-/// (out · grad_out).sum() into the weights and its own input leaf.
+/// (out · grad_out).sum() into the weights and its own input leaf. Through
+/// torch::linear (torch::nn's and the SDPA contender's products), or with
+/// `ours` through mha's projection (src/modules/projection.h: in float32,
+/// oneDNN's product in fixed chunks of rows).
 Run make_projections(const torch::nn::MultiheadAttention& ref,
                      const torch::Tensor& x, const torch::Tensor& grad_out,
-                     Mode mode) {
+                     Mode mode, bool ours) {
   auto copy = [](const torch::Tensor& t) {
     return t.defined() ? t.detach().clone().requires_grad_(true) : t;
   };
@@ -118,7 +122,13 @@ Run make_projections(const torch::nn::MultiheadAttention& ref,
   const bool no_grad = mode == Mode::kInference;
   auto input = backward ? x.clone().requires_grad_(true) : x;
   const int64_t E = x.size(2);
-  return [weights, input, grad_out, backward, no_grad, E]() mutable {
+  using Linear = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&,
+                                   const torch::Tensor&);
+  const Linear linear =
+      ours ? Linear{mha::detail::project}
+           : Linear{[](const torch::Tensor& in, const torch::Tensor& w,
+                       const torch::Tensor& b) { return torch::linear(in, w, b); }};
+  return [weights, input, grad_out, backward, no_grad, E, linear]() mutable {
     torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
     for (auto& w : weights) {
       if (w.defined()) {
@@ -126,9 +136,9 @@ Run make_projections(const torch::nn::MultiheadAttention& ref,
       }
     }
     input.mutable_grad() = torch::Tensor();
-    auto qkv = torch::linear(input, weights[0], weights[1]);  // (L, N, 3E)
-    auto out = torch::linear(qkv.narrow(-1, 2 * E, E), weights[2],
-                             weights[3]);  // (L, N, E)
+    auto qkv = linear(input, weights[0], weights[1]);  // (L, N, 3E)
+    auto out = linear(qkv.narrow(-1, 2 * E, E), weights[2],
+                      weights[3]);  // (L, N, E)
     if (!backward) {
       return Named{{"output", out}};
     }
@@ -363,7 +373,8 @@ Contenders make_contenders(const Shape& s, Mode mode,
     grad_out = torch::randn({L, N, E}, options);  // (L, N, E)
   }
   c.sdpa = make_sdpa_attention(ref, x, grad_out, mode, settings.plant_fault);
-  c.projections = make_projections(ref, x, grad_out, mode);
+  c.projections = make_projections(ref, x, grad_out, mode, /*ours=*/false);
+  c.mha_projections = make_projections(ref, x, grad_out, mode, /*ours=*/true);
   switch (mode) {
     case Mode::kForward:
     case Mode::kForwardWeights:

@@ -233,7 +233,8 @@ struct ProjectionRow {
   Shape shape;
   Mode mode = Mode::kForward;
   int reps = 0;
-  double projections_ms = 0;
+  double projections_ms = 0;      ///< through torch::linear
+  double mha_projections_ms = 0;  ///< through mha's projection
   double torch_nn_ms = 0;
   double mha_ms = 0;
 };

@@ -20,6 +20,7 @@ struct Contenders {
   Run torch_nn;
   SdpaContender sdpa;  ///< projections + at::scaled_dot_product_attention
   Run projections;     ///< the projections alone (self-attention modes)
+  Run mha_projections;  ///< the same products through mha's projection
 };
 
 /// The contenders of (shape, mode): torch::nn's module with random biases,

@@ -104,7 +104,7 @@ std::vector<ProjectionRow> measure_projections(const std::vector<Shape>& shapes,
       }
       const auto c = make_contenders(shape, mode, settings);
       const std::vector<const Run*> runs = {&c.projections, &c.torch_nn,
-                                            &c.mha};
+                                            &c.mha, &c.mha_projections};
       double round_ms = 0;
       for (const auto* run : runs) {
         round_ms += time_once(*run, settings.device);
@@ -124,7 +124,8 @@ std::vector<ProjectionRow> measure_projections(const std::vector<Shape>& shapes,
         }
       }
       rows.push_back({shape, mode, reps, median_of(samples[0]),
-                      median_of(samples[1]), median_of(samples[2])});
+                      median_of(samples[3]), median_of(samples[1]),
+                      median_of(samples[2])});
     }
   }
   return rows;
