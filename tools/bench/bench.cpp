@@ -127,7 +127,9 @@ Run make_projections(const torch::nn::MultiheadAttention& ref,
   const Linear linear =
       ours ? Linear{mha::detail::project}
            : Linear{[](const torch::Tensor& in, const torch::Tensor& w,
-                       const torch::Tensor& b) { return torch::linear(in, w, b); }};
+                       const torch::Tensor& b) {
+               return torch::linear(in, w, b);
+             }};
   return [weights, input, grad_out, backward, no_grad, E, linear]() mutable {
     torch::AutoGradMode grad_mode(/*enabled=*/!no_grad);
     for (auto& w : weights) {

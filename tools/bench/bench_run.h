@@ -18,8 +18,8 @@ namespace mha::bench {
 struct Contenders {
   Run mha;
   Run torch_nn;
-  SdpaContender sdpa;  ///< projections + at::scaled_dot_product_attention
-  Run projections;     ///< the projections alone (self-attention modes)
+  SdpaContender sdpa;   ///< projections + at::scaled_dot_product_attention
+  Run projections;      ///< the projections alone (self-attention modes)
   Run mha_projections;  ///< the same products through mha's projection
 };
 

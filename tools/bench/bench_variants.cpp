@@ -103,8 +103,8 @@ std::vector<ProjectionRow> measure_projections(const std::vector<Shape>& shapes,
         continue;
       }
       const auto c = make_contenders(shape, mode, settings);
-      const std::vector<const Run*> runs = {&c.projections, &c.torch_nn,
-                                            &c.mha, &c.mha_projections};
+      const std::vector<const Run*> runs = {&c.projections, &c.torch_nn, &c.mha,
+                                            &c.mha_projections};
       double round_ms = 0;
       for (const auto* run : runs) {
         round_ms += time_once(*run, settings.device);
