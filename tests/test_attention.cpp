@@ -2382,12 +2382,12 @@ bool projection_on_onednn(torch::ScalarType dtype) {
          mha::detail::onednn_products_available();
 }
 
-// Checks a projection's float32 product `got` against at::addmm's
-// `expected`: bit for bit where addmm's BLAS call computes it, else within
-// float32's rounding of the exact value, whatever the order of the k
-// products: |got - exact| <= (k + 2) · 2^-24 · (|a| · |b| + |c|), with
-// exact and the bound in float64 (a, b, c the float32 operands of
-// c + a · b; k = a's columns). An empty `a` means only equality is checked.
+// Checks a projection's product `got` against at::addmm's `expected`: bit
+// for bit unless `rounded` (float32 through oneDNN), then within float32's
+// rounding of the exact value, whatever the order of the k products:
+// |got - exact| <= (k + 2) · 2^-24 · (|a| · |b| + |c|), with exact and the
+// bound in float64 (a, b, c the float32 operands of c + a · b, c possibly
+// undefined; k = a's columns). An empty product must equal `expected`.
 void expect_projection_product(const torch::Tensor& got,
                                const torch::Tensor& expected, bool rounded,
                                const torch::Tensor& a, const torch::Tensor& b,
