@@ -75,7 +75,7 @@ StridedMatrix matrix_rows(StridedMatrix m, int64_t start, int64_t count) {
 /// (onednn_products_available) or does not take the layout.
 ///
 /// Why: the projections were at::addmm's calls, OpenBLAS's product, while
-/// oneDNN's runs 1.7-1.9x faster on the modules' shapes on this machine
+/// oneDNN's runs 1.7-2x faster on the modules' shapes on this machine
 /// (measured at onednn_chunk_rows); its rows round differently (a
 /// different order of the k products), within float32's rounding of
 /// addmm's. OpenBLAS's threads over ATen's: mha-bench, 1.13, 2 threads,
