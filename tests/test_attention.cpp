@@ -2618,7 +2618,7 @@ TEST(Projection, GradientsMatchAtenAddmm) {
 // A float32 projection's results through oneDNN (output and the gradients
 // of x, w and b) must not depend on the threads that compute them: equal
 // bit for bit with ATen's and OpenBLAS's thread counts at 1, 2 and 3, on
-// shapes of two chunks of rows (onednn_rows), of several with a shorter
+// shapes of two chunks of rows (onednn_product), of several with a shorter
 // last one, a decoding step's one row and the default table's
 // in-projection at (4, 1024, 512, 8). (float64's products are addmm's,
 // whose OpenBLAS results differ in the last bits between 1 and 3 threads.)
@@ -2628,42 +2628,41 @@ TEST(Projection, ResultsDoNotDependOnTheThreadCount) {
   }
   const int aten_threads = at::get_num_threads();
   const int blas_threads = mha::detail::openblas_threads();
-  for (const auto dtype : {torch::kFloat32}) {
-    const auto opts = torch::TensorOptions().dtype(dtype);
-    for (const auto& [N, T, F, Fout] :
-         std::vector<std::array<int64_t, 4>>{{2, 100, 64, 192},
-                                             {2, 600, 96, 96},
-                                             {3, 1, 512, 1536},
-                                             {4, 1024, 512, 1536}}) {
-      torch::manual_seed(12);
-      const auto x0 = torch::randn({N, T, F}, opts);
-      const auto w0 = torch::randn({Fout, F}, opts) / std::sqrt(F);
-      const auto b0 = torch::randn({Fout}, opts);
-      const auto upstream = torch::randn({N, T, Fout}, opts);
-      std::vector<std::array<torch::Tensor, 4>> results;
-      for (const int threads : {1, 2, 3}) {
-        at::set_num_threads(threads);
-        mha::detail::set_openblas_threads(threads);
-        auto x = x0.clone().requires_grad_();
-        auto w = w0.clone().requires_grad_();
-        auto b = b0.clone().requires_grad_();
-        const auto y = mha::detail::project(x, w, b);
-        (y * upstream).sum().backward();
-        results.push_back({y.detach(), x.grad(), w.grad(), b.grad()});
-      }
-      at::set_num_threads(aten_threads);
-      if (blas_threads > 0) {
-        mha::detail::set_openblas_threads(blas_threads);
-      }
-      const char* names[] = {"output", "x.grad", "w.grad", "b.grad"};
-      for (size_t t = 1; t < results.size(); ++t) {
-        for (size_t i = 0; i < 4; ++i) {
-          EXPECT_TRUE(torch::equal(results[t][i], results[0][i]))
-              << c10::toString(dtype) << " (" << N << ", " << T << ", " << F
-              << ") -> " << Fout << " " << names[i] << " at " << t + 1
-              << " threads differs from 1 thread by "
-              << (results[t][i] - results[0][i]).abs().max().item<double>();
-        }
+  const auto dtype = torch::kFloat32;
+  const auto opts = torch::TensorOptions().dtype(dtype);
+  for (const auto& [N, T, F, Fout] :
+       std::vector<std::array<int64_t, 4>>{{2, 100, 64, 192},
+                                           {2, 600, 96, 96},
+                                           {3, 1, 512, 1536},
+                                           {4, 1024, 512, 1536}}) {
+    torch::manual_seed(12);
+    const auto x0 = torch::randn({N, T, F}, opts);
+    const auto w0 = torch::randn({Fout, F}, opts) / std::sqrt(F);
+    const auto b0 = torch::randn({Fout}, opts);
+    const auto upstream = torch::randn({N, T, Fout}, opts);
+    std::vector<std::array<torch::Tensor, 4>> results;
+    for (const int threads : {1, 2, 3}) {
+      at::set_num_threads(threads);
+      mha::detail::set_openblas_threads(threads);
+      auto x = x0.clone().requires_grad_();
+      auto w = w0.clone().requires_grad_();
+      auto b = b0.clone().requires_grad_();
+      const auto y = mha::detail::project(x, w, b);
+      (y * upstream).sum().backward();
+      results.push_back({y.detach(), x.grad(), w.grad(), b.grad()});
+    }
+    at::set_num_threads(aten_threads);
+    if (blas_threads > 0) {
+      mha::detail::set_openblas_threads(blas_threads);
+    }
+    const char* names[] = {"output", "x.grad", "w.grad", "b.grad"};
+    for (size_t t = 1; t < results.size(); ++t) {
+      for (size_t i = 0; i < 4; ++i) {
+        EXPECT_TRUE(torch::equal(results[t][i], results[0][i]))
+            << c10::toString(dtype) << " (" << N << ", " << T << ", " << F
+            << ") -> " << Fout << " " << names[i] << " at " << t + 1
+            << " threads differs from 1 thread by "
+            << (results[t][i] - results[0][i]).abs().max().item<double>();
       }
     }
   }

@@ -38,7 +38,7 @@ void copy_bias_rows(const torch::Tensor& b, const torch::Tensor& y) {
 }
 
 /// The rows of a product of `rows` rows that one oneDNN call computes
-/// (onednn_rows): an even number of chunks (two threads share them evenly)
+/// (onednn_product): an even number of chunks (two threads share them evenly)
 /// of at most about 512 rows, multiples of 8. A function of the row count
 /// alone, never of the threads. Measured (scratch programs, 2 threads,
 /// PASSIVE, float32, medians of 9; LibTorch 1.13 / 2.14):
@@ -63,15 +63,16 @@ StridedMatrix matrix_rows(StridedMatrix m, int64_t start, int64_t count) {
   return m;
 }
 
-/// c (m, n) = a (m, k) · b (k, n) + bias (n) (or without it where bias is
-/// undefined) for float32 CPU memory, through oneDNN's dnnl_sgemm: in
-/// chunks of onednn_chunk_rows(m) rows of a and c, one single-threaded call
-/// each (for_each_item; the bias rows copied into each chunk first),
-/// spread over OpenBLAS's threads where the blocked core's items run there
-/// (openblas_item_threads), else over ATen's. Each chunk's shape, and so every
-/// value's rounding, is a function of m, k and n: the result does not depend on
-/// the thread count. c must be a fresh contiguous (m, n) tensor. Returns false,
-/// with nothing written, where oneDNN cannot be held to one thread per call
+/// A new contiguous c (m, n) = a (m, k) · b (k, n) + bias (n) (or without
+/// it where bias is undefined), of `options` (float32, CPU; a and b its
+/// memory), through oneDNN's dnnl_sgemm: in chunks of onednn_chunk_rows(m)
+/// rows of a and c, one single-threaded call each (for_each_item; the bias
+/// rows copied into each chunk first), spread over OpenBLAS's threads where
+/// the blocked core's items run there (openblas_item_threads), else over
+/// ATen's. Each chunk's shape, and so every value's rounding, is a function
+/// of m, k and n: the result does not depend on the thread count. Returns
+/// an undefined tensor, with nothing allocated, where the dtype is not
+/// float32, oneDNN cannot be held to one thread per call
 /// (onednn_products_available) or does not take the layout.
 ///
 /// Why: the projections were at::addmm's calls, OpenBLAS's product, while
@@ -84,23 +85,28 @@ StridedMatrix matrix_rows(StridedMatrix m, int64_t start, int64_t count) {
 /// (245.6 with addmm), inference 57.9 / 52.8 against 68.4 / 56.3 (73.9);
 /// (1, 8192, 256, 4) forward+backward 1086 / 1039 against 1163 / 1114
 /// (1219), inference 252 / 265 against 280 / 284 (280).
-bool onednn_rows(const StridedMatrix& a, const StridedMatrix& b,
-                 const torch::Tensor& bias, const torch::Tensor& c) {
-  const int64_t m = a.rows;
-  if (m == 0 || c.scalar_type() != torch::kFloat32 ||
+torch::Tensor onednn_product(const StridedMatrix& a, const StridedMatrix& b,
+                             const torch::Tensor& bias,
+                             const torch::TensorOptions& options) {
+  const int64_t m = a.rows, n = b.cols;
+  if (m == 0 || options.dtype() != torch::kFloat32 ||
       !onednn_products_available()) {
-    return false;
+    return {};
   }
   const int64_t chunk = onednn_chunk_rows(m);
   const int64_t chunks = (m + chunk - 1) / chunk;
   const int64_t last = m - (chunks - 1) * chunk;
-  const auto cm = matrix_of(c);
+  // The layout of c's first rows: the checks read no memory.
+  const auto c_rows = [n](int64_t count) {
+    return StridedMatrix{nullptr, count, n, n, 1};
+  };
   if (!onednn_gemm_takes(matrix_rows(a, 0, std::min(chunk, m)), b,
-                         matrix_rows(cm, 0, std::min(chunk, m))) ||
-      !onednn_gemm_takes(matrix_rows(a, 0, last), b,
-                         matrix_rows(cm, 0, last))) {
-    return false;
+                         c_rows(std::min(chunk, m))) ||
+      !onednn_gemm_takes(matrix_rows(a, 0, last), b, c_rows(last))) {
+    return {};
   }
+  auto c = at::empty({m, n}, options);
+  const auto cm = matrix_of(c);
   for_each_item(
       chunks, 0, c.options(),
       [&](int64_t i, torch::Tensor&) {
@@ -115,22 +121,24 @@ bool onednn_rows(const StridedMatrix& a, const StridedMatrix& b,
       openblas_item_threads() >= 2 ? ItemThreads::kOpenBlas
                                    : ItemThreads::kAten,
       /*one_omp_thread=*/true);
-  return true;
+  return c;
 }
 
 /// y (rows, F') = x2d (rows, F) · wᵀ + b: through oneDNN in fixed chunks of
-/// rows where onednn_rows takes it (float32), else as at::addmm(b, x2d,
+/// rows where onednn_product takes it (float32), else as at::addmm(b, x2d,
 /// w.t()), with the bias rows copied first (on this thread when small);
 /// records no gradient itself (ProjectionFunction does that).
 torch::Tensor addmm_rows(const torch::Tensor& x2d, const torch::Tensor& w,
                          const torch::Tensor& b) {
-  auto y = at::empty({x2d.size(0), w.size(0)}, x2d.options());
-  if (onednn_rows(matrix_of(x2d), matrix_of(w).t(), b, y)) {
+  if (auto y =
+          onednn_product(matrix_of(x2d), matrix_of(w).t(), b, x2d.options());
+      y.defined()) {
     return y;
   }
   if (!b.defined()) {
     return at::mm(x2d, w.t());
   }
+  auto y = at::empty({x2d.size(0), w.size(0)}, x2d.options());
   if (y.numel() > kCopyHereElements) {
     y.copy_(b.expand_as(y));  // ATen's parallel copy, as addmm's
   } else {
@@ -145,7 +153,7 @@ torch::Tensor addmm_rows(const torch::Tensor& x2d, const torch::Tensor& w,
 /// of AddmmBackward0 (PyTorch's tools/autograd/derivatives.yaml, addmm with
 /// beta = alpha = 1, and FunctionsManual.cpp's mm_mat1_backward /
 /// mm_mat2_backward): x2d's gradient grad · w and w's gradᵀ · x2d through
-/// onednn_rows where it takes them (float32, first derivatives), else the
+/// onednn_product where it takes them (float32, first derivatives), else the
 /// same at::mm calls on the same layouts; b's summed as the autograd engine
 /// sums a broadcast input's (at::sum_to). Where oneDNN is not used
 /// (float64, no oneDNN, create_graph), every gradient is addmm's bit for
@@ -178,18 +186,22 @@ class ProjectionFunction
     if (ctx->needs_input_grad(0)) {
       // Under create_graph (grad mode on here) the product must be
       // recorded for a second derivative: at::mm's.
-      grad_x = at::empty(x2d.sizes(), grad.options());
-      if (torch::GradMode::is_enabled() ||
-          !onednn_rows(matrix_of(grad), matrix_of(w), {}, grad_x)) {
+      if (!torch::GradMode::is_enabled()) {
+        grad_x =
+            onednn_product(matrix_of(grad), matrix_of(w), {}, grad.options());
+      }
+      if (!grad_x.defined()) {
         // mm_mat1_backward with mat2 = wᵀ: a column-major x2d (one row of
         // one feature) takes the transposed product.
         grad_x = column_major(x2d) ? w.t().mm(grad.t()).t() : grad.mm(w);
       }
     }
     if (ctx->needs_input_grad(1)) {
-      grad_w = at::empty(w.sizes(), grad.options());
-      if (torch::GradMode::is_enabled() ||
-          !onednn_rows(matrix_of(grad).t(), matrix_of(x2d), {}, grad_w)) {
+      if (!torch::GradMode::is_enabled()) {
+        grad_w = onednn_product(matrix_of(grad).t(), matrix_of(x2d), {},
+                                grad.options());
+      }
+      if (!grad_w.defined()) {
         // mm_mat2_backward with mat2 = wᵀ, column-major when w is row-major
         // (a module's weight): (gradᵀ · x2d)ᵀ, else x2dᵀ · grad; either
         // transposed back by wᵀ's own backward.

@@ -13,8 +13,9 @@ namespace mha::detail {
 /// view. On the CPU, where LibTorch calls BLAS itself (no MKL):
 /// - float32 where oneDNN's dnnl_sgemm is loaded and can be held to one
 ///   thread per call (Debian's LibTorch 1.13 and 2.x): the product in
-///   fixed chunks of rows, one single-threaded oneDNN call each, spread
-///   over ATen's threads (module_inputs.cpp, onednn_rows), 1.7-2x faster
+///   fixed chunks of rows, one single-threaded oneDNN call each, on the
+///   threads the blocked core's items use (module_inputs.cpp,
+///   onednn_product), 1.7-2x faster
 ///   than addmm's OpenBLAS product on the modules' shapes; within float32's
 ///   rounding of addmm's result, not its bits, and the same bits at every
 ///   thread count;
