@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/blocked_attention.h"  // PartialMasksOff
 #include "fixture_helpers.h"
 #include "mha/mha.h"
 #include "test_helpers.h"
@@ -443,7 +444,8 @@ TEST_F(FlexAttention, BlockMaskCountsAndSparsity) {
 }
 
 // The core skips unvisited blocks, calls mask_mod on partial blocks only
-// and score_mod on every visited block, once each.
+// (once per call for all heads the block mask shares, PartialMasks) and
+// score_mod on every visited block, once each.
 TEST_F(FlexAttention, ModsSeeOnlyTheVisitedBlocks) {
   auto in = make_inputs(1, 2, 2, 128, 128, 8, torch::kFloat32, false);
   std::atomic<int64_t> mask_elements{0}, score_elements{0};
@@ -467,12 +469,56 @@ TEST_F(FlexAttention, ModsSeeOnlyTheVisitedBlocks) {
   torch::NoGradGuard no_grad;  // (with grad mode, one probing call more)
   auto [out, lse] =
       mha::flex_attention(in.q, in.k, in.v, counted_identity, mask);
-  // Two heads: the 4 diagonal (partial) blocks, and the 10 visited ones.
-  EXPECT_EQ(mask_elements.load(), 2 * 4 * 32 * 32);
+  // The 4 diagonal (partial) blocks, once for both heads (the mod does not
+  // read h), and the 10 visited ones of each head.
+  EXPECT_EQ(mask_elements.load(), 4 * 32 * 32);
   EXPECT_EQ(score_elements.load(), 2 * 10 * 32 * 32);
   auto ref =
       reference(in.q, in.k, in.v, {}, causal_mod(), 1.0 / std::sqrt(8.0));
   expect_close(out, ref.output, 1e-5, 1e-4, "counted causal");
+}
+
+// Partial blocks are evaluated once per call, one mask_mod call per query
+// block for every batch and head the block mask shares (b and h as index
+// tensors): a mod that reads b or h there still gives each its own flags,
+// the same bits as the items' own calls per block and head.
+TEST_F(FlexAttention, PartialBlocksAreEvaluatedOncePerCall) {
+  auto in = make_inputs(2, 3, 3, 96, 160, 8, torch::kFloat64, true);
+  auto key_lengths = torch::tensor({160, 100});
+  std::atomic<int64_t> calls{0};
+  // Every block partial for every head (the mask made without H or B is
+  // right for all of them), the flags inside differing by head and batch.
+  MaskMod mod = [&calls, key_lengths](
+                    const torch::Tensor& b, const torch::Tensor& h,
+                    const torch::Tensor& q, const torch::Tensor& kv) {
+    ++calls;
+    return q.sub(kv).remainder(h + 2).ne(1).logical_and(
+        kv.lt(key_lengths.index({b})));
+  };
+  auto mask =
+      mha::create_block_mask(mod, c10::nullopt, c10::nullopt, 96, 160, 32);
+  EXPECT_EQ(mask.kv_num_blocks.sum().item<int64_t>(), 3 * 5);
+  check_against_reference(in, {}, mod, mask, {}, false, {},
+                          "partial blocks differing by head and batch");
+  auto run = [&] {
+    calls = 0;
+    auto [out, lse] = mha::flex_attention(in.q, in.k, in.v, {}, mask);
+    auto grads = torch::autograd::grad({out.pow(2).sum()}, {in.q, in.k, in.v});
+    grads.push_back(out);
+    return grads;
+  };
+  auto once = run();
+  EXPECT_EQ(calls.load(), 3);  // one per query block, backward none
+  std::vector<torch::Tensor> per_block;
+  {
+    mha::detail::PartialMasksOff off;
+    per_block = run();
+  }
+  // Forward and backward's recomputation: batches x heads x partial blocks.
+  EXPECT_EQ(calls.load(), 2 * (2 * 3 * 3 * 5));
+  for (size_t i = 0; i < once.size(); ++i) {
+    EXPECT_TRUE(once[i].equal(per_block[i])) << "tensor " << i;
+  }
 }
 
 TEST_F(FlexAttention, DocumentBlockMaskEqualsTheEvaluatedOne) {

@@ -120,30 +120,79 @@ void block_gemm(const BlockedSpec& spec, torch::ScalarType dtype,
 /// mods see, the scores before score_mod (kept for backward), and its fully
 /// masked rows.
 struct FlexTile {
-  torch::Tensor b, h;    // () int64
-  torch::Tensor q_idx;   // (rows, 1) int64
-  torch::Tensor kv_idx;  // (1, cols) int64: the key of each column
-  torch::Tensor raw;     // (rows, cols): scores before score_mod, or {}
-  torch::Tensor empty;   // (rows) bool: rows left with no key, or {}
+  int64_t n = 0, head = 0;  // the block's (batch, query head)
+  torch::Tensor b, h;       // () int64, made by index()
+  torch::Tensor q_idx;      // (rows, 1) int64
+  torch::Tensor kv_idx;     // (1, cols) int64: the key of each column
+  torch::Tensor raw;        // (rows, cols): scores before score_mod, or {}
+  torch::Tensor empty;      // (rows) bool: rows left with no key, or {}
   // Backward: score_mod's graph, one per chunk of rows (score_mod_rows)
   // whose output depends on the leaf: the leaves (views of raw), what
   // score_mod made of them, and their first row and rows.
   std::vector<torch::Tensor> graph_in, graph_out;
   std::vector<std::pair<int64_t, int64_t>> graph_rows;
 
-  FlexTile(const Block& block, int64_t n, int64_t h_) {
-    const auto index = torch::TensorOptions().dtype(torch::kLong);
-    b = torch::scalar_tensor(n, index);
-    h = torch::scalar_tensor(h_, index);
-    q_idx = torch::arange(block.row0, block.row0 + block.rows, index)
+  FlexTile(int64_t n_, int64_t head_) : n(n_), head(head_) {}
+  /// Makes the index tensors of `block` (once): only a block that calls a
+  /// mod needs them.
+  void index(const Block& block) {
+    if (q_idx.defined()) {
+      return;
+    }
+    const auto options = torch::TensorOptions().dtype(torch::kLong);
+    b = torch::scalar_tensor(n, options);
+    h = torch::scalar_tensor(head, options);
+    q_idx = torch::arange(block.row0, block.row0 + block.rows, options)
                 .unsqueeze(1);  // (rows, 1)
     std::vector<torch::Tensor> keys;
     for (const auto& span : block.spans) {
-      keys.push_back(torch::arange(span.key0, span.key0 + span.cols, index));
+      keys.push_back(torch::arange(span.key0, span.key0 + span.cols, options));
     }
     kv_idx = (keys.size() == 1 ? keys[0] : torch::cat(keys)).unsqueeze(0);
   }
 };
+
+/// p (rows, cols; unit column stride) set to -inf where `allowed` is false
+/// (row r's flags at allowed + r * stride): PartialMasks' flags applied.
+void fill_disallowed(const torch::Tensor& p, const bool* allowed,
+                     int64_t stride) {
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "fill_disallowed", [&] {
+    auto* data = p.data_ptr<scalar_t>();
+    const auto rows = p.size(0), cols = p.size(1), ld = p.stride(0);
+    const auto blocked = -std::numeric_limits<scalar_t>::infinity();
+    for (int64_t r = 0; r < rows; ++r) {
+      scalar_t* row = data + r * ld;
+      const bool* flags = allowed + r * stride;
+      for (int64_t c = 0; c < cols; ++c) {
+        row[c] = flags[c] ? row[c] : blocked;
+      }
+    }
+  });
+}
+
+/// (rows) bool, true at the rows of p (rows, cols; contiguous) whose every
+/// score is -inf, or undefined where there is none. A row's scan stops at
+/// its first other score (a NaN included, as amax(row) == -inf decides).
+torch::Tensor rows_without_keys(const torch::Tensor& p) {
+  torch::Tensor none;
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "rows_without_keys", [&] {
+    const auto* data = p.data_ptr<scalar_t>();
+    const auto rows = p.size(0), cols = p.size(1);
+    const auto blocked = -std::numeric_limits<scalar_t>::infinity();
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* row = data + r * cols;
+      if (std::all_of(row, row + cols,
+                      [&](scalar_t x) { return x == blocked; })) {
+        if (!none.defined()) {
+          none =
+              torch::zeros({rows}, torch::TensorOptions().dtype(torch::kBool));
+        }
+        none.data_ptr<bool>()[r] = true;
+      }
+    }
+  });
+  return none;
+}
 
 /// Rows of a block's scores that score_mod sees at a time, for `cols`
 /// columns: about kScoreModElements scores (128 KiB of float32, glibc's
@@ -167,6 +216,7 @@ void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
                  const torch::Tensor& lse_rows) {
   const auto& flex = *spec.flex;
   if (flex.score_mod) {
+    tile.index(block);
     if (keep_raw) {
       tile.raw.copy_(p);
     }
@@ -207,6 +257,22 @@ void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
     }
   }
   for (const auto& span : block.partial) {
+    const auto& block_mask = flex.block_mask;
+    const auto kv_block = span.key0 / block_mask.block_kv;
+    int64_t stride = 0;
+    const bool* allowed =
+        spec.partial_masks == nullptr
+            ? nullptr
+            : spec.partial_masks->find(tile.n, tile.head,
+                                       block.row0 / block_mask.block_q,
+                                       kv_block, stride);
+    if (allowed != nullptr) {
+      fill_disallowed(p.narrow(1, span.col, span.cols),
+                      allowed + (span.key0 - kv_block * block_mask.block_kv),
+                      stride);
+      continue;
+    }
+    tile.index(block);
     auto kv = tile.kv_idx.narrow(1, span.col, span.cols);
     p.narrow(1, span.col, span.cols)
         .masked_fill_(call_mask_mod(flex.block_mask.mask_mod, tile.b, tile.h,
@@ -219,6 +285,7 @@ void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
   const auto& positions = spec.positions;
   const bool limited = positions.causal || positions.window > 0;
   if (limited) {
+    tile.index(block);
     if (positions.window > 0) {
       p.masked_fill_(tile.kv_idx.lt(tile.q_idx + positions.begin(0)), kNegInf);
     }
@@ -229,14 +296,16 @@ void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
   const bool surely_seen = block.has_full && !flex.score_mod &&
                            !mask.defined() && !limited && empty == nullptr;
   if (!surely_seen) {
-    tile.empty = at::amax(p, /*dim=*/1).eq(kNegInf);  // (rows)
+    tile.empty = rows_without_keys(p);  // (rows), or {} for none
     if (empty != nullptr) {
-      tile.empty.logical_or_(
+      const auto flags =
           torch::from_blob(const_cast<bool*>(empty), {block.rows},
-                           torch::TensorOptions().dtype(torch::kBool)));
-    }
-    if (!tile.empty.any().item<bool>()) {
-      tile.empty = torch::Tensor();
+                           torch::TensorOptions().dtype(torch::kBool));
+      tile.empty =
+          tile.empty.defined() ? tile.empty.logical_or(flags) : flags.clone();
+      if (!tile.empty.any().item<bool>()) {
+        tile.empty = torch::Tensor();
+      }
     }
   }
   if (lse_rows.defined()) {
@@ -458,7 +527,7 @@ BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                        : scratch.narrow(0, 0, rows * cols).view({rows, cols});
           c10::optional<FlexTile> tile;
           if (spec.flex != nullptr) {
-            tile.emplace(block, n, h);
+            tile.emplace(n, h);
           }
           block_weights(p, q, k, n, h, h_kv, mask, blocked,
                         bias_row(relative_bias, h), spec, block, empty,
@@ -572,7 +641,7 @@ BlockedGradients blocked_backward(
             const bool* empty = empty_flags(spec, n, h, row0);
             c10::optional<FlexTile> tile;
             if (spec.flex != nullptr) {
-              tile.emplace(block, n, h);
+              tile.emplace(n, h);
               if (score_mod) {
                 tile->raw = buffer(3);
               }

@@ -17,11 +17,14 @@
 namespace mha::detail {
 namespace {
 
-/// A flex call's mods in the context's saved_data (a capsule IValue).
+/// A flex call's mods and evaluated partial blocks in the context's
+/// saved_data (a capsule IValue).
 struct FlexHolder : torch::CustomClassHolder {
-  explicit FlexHolder(std::shared_ptr<const FlexMods> flex_)
-      : flex(std::move(flex_)) {}
+  FlexHolder(std::shared_ptr<const FlexMods> flex_,
+             std::shared_ptr<const PartialMasks> partial_masks_)
+      : flex(std::move(flex_)), partial_masks(std::move(partial_masks_)) {}
   std::shared_ptr<const FlexMods> flex;
+  std::shared_ptr<const PartialMasks> partial_masks;
 };
 
 // The spec rides along in the context's saved_data (IValues). Its masks need
@@ -44,9 +47,10 @@ void save_spec(torch::autograd::AutogradContext* ctx, const BlockedSpec& spec) {
   data["one_block"] = spec.one_block;
   data["threads"] = static_cast<int64_t>(spec.threads);
   data["onednn"] = spec.onednn;
-  data["flex"] = spec.flex ? c10::IValue::make_capsule(
-                                 c10::make_intrusive<FlexHolder>(spec.flex))
-                           : c10::IValue();
+  data["flex"] =
+      spec.flex ? c10::IValue::make_capsule(c10::make_intrusive<FlexHolder>(
+                      spec.flex, spec.partial_masks))
+                : c10::IValue();
 }
 
 BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
@@ -71,8 +75,10 @@ BlockedSpec load_spec(torch::autograd::AutogradContext* ctx) {
   spec.onednn = data.at("onednn").toBool();
   const auto& flex = data.at("flex");
   if (!flex.isNone()) {
-    spec.flex =
-        c10::static_intrusive_pointer_cast<FlexHolder>(flex.toCapsule())->flex;
+    const auto holder =
+        c10::static_intrusive_pointer_cast<FlexHolder>(flex.toCapsule());
+    spec.flex = holder->flex;
+    spec.partial_masks = holder->partial_masks;
   }
   return spec;
 }

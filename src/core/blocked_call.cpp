@@ -7,8 +7,10 @@
 // Glossary: N batch, H heads, L target (query) length, S source (key)
 // length, D and Dv the query/key and value features.
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <memory>
+#include <vector>
 
 #include "core/blocked_attention.h"
 
@@ -66,6 +68,108 @@ Block::Block(const BlockedSpec& spec, int64_t n, int64_t h, int64_t row0_,
     }
     cols += key1 - key0;
   }
+}
+
+namespace {
+std::atomic<int> partial_masks_off{0};
+}  // namespace
+
+PartialMasksOff::PartialMasksOff() { ++partial_masks_off; }
+PartialMasksOff::~PartialMasksOff() { --partial_masks_off; }
+
+std::shared_ptr<const PartialMasks> PartialMasks::evaluate(
+    const BlockMask& mask, int64_t N, int64_t H) {
+  if (partial_masks_off.load() > 0) {
+    return nullptr;
+  }
+  const auto& counts = mask.kv_num_blocks;
+  const auto Bm = counts.size(0), Hm = counts.size(1), nq = counts.size(2);
+  const auto nkv = mask.kv_indices.size(3);
+  const auto* count = counts.data_ptr<int32_t>();
+  const auto* index = mask.kv_indices.data_ptr<int32_t>();
+  auto width_of = [&](int64_t kv_block) {
+    return std::min(mask.block_kv, mask.kv_len - kv_block * mask.block_kv);
+  };
+  auto rows_of = [&](int64_t i) {
+    return std::min(mask.block_q, mask.q_len - i * mask.block_q);
+  };
+  // What the flags take when no result depends on the shared batches or
+  // heads: over the budget, nothing is evaluated.
+  int64_t bytes = 0;
+  for (int64_t m = 0; m < Bm * Hm * nq; ++m) {
+    for (int32_t j = 0; j < count[m]; ++j) {
+      bytes += rows_of(m % nq) * width_of(index[m * nkv + j]);
+    }
+  }
+  if (bytes > kPartialMaskBytes) {
+    return nullptr;
+  }
+  auto result = std::make_shared<PartialMasks>();
+  result->mask_batches_ = Bm;
+  result->mask_heads_ = Hm;
+  result->nq_ = nq;
+  result->rows_.resize(Bm * Hm * nq);
+  const auto options = torch::TensorOptions().dtype(torch::kLong);
+  // The batches and heads a row of the mask stands for: all of the call's
+  // where the mask broadcasts, as index tensors (b (N, 1, 1, 1), h (1, H,
+  // 1, 1)), else its own.
+  const auto Nb = Bm == 1 ? N : 1, Hb = Hm == 1 ? H : 1;
+  const auto all_b = torch::arange(Nb, options).view({Nb, 1, 1, 1});
+  const auto all_h = torch::arange(Hb, options).view({1, Hb, 1, 1});
+  bytes = 0;
+  for (int64_t m = 0; m < Bm * Hm * nq; ++m) {
+    auto& row = result->rows_[m];
+    if (count[m] == 0) {
+      continue;
+    }
+    const auto i = m % nq, hm = m / nq % Hm, bm = m / nq / Hm;
+    std::vector<torch::Tensor> keys;
+    int64_t width = 0;
+    for (int32_t j = 0; j < count[m]; ++j) {
+      const int64_t kv_block = index[m * nkv + j];
+      row.blocks.push_back(kv_block);
+      row.col0.push_back(width);
+      const auto k0 = kv_block * mask.block_kv;
+      keys.push_back(torch::arange(k0, k0 + width_of(kv_block), options));
+      width += width_of(kv_block);
+    }
+    const auto q0 = i * mask.block_q, rows = rows_of(i);
+    auto allowed = call_mask_mod(
+        mask.mask_mod, Bm == 1 ? all_b : torch::scalar_tensor(bm, options),
+        Hm == 1 ? all_h : torch::scalar_tensor(hm, options),
+        torch::arange(q0, q0 + rows, options).unsqueeze(1),
+        torch::cat(keys).unsqueeze(0), {Nb, Hb, rows, width});
+    // Keep one copy of what the mod did not vary (an expanded dim).
+    if (allowed.stride(0) == 0) {
+      allowed = allowed.narrow(0, 0, 1);
+    }
+    if (allowed.stride(1) == 0) {
+      allowed = allowed.narrow(1, 0, 1);
+    }
+    row.allowed = allowed.contiguous();
+    bytes += row.allowed.numel();
+    if (bytes > kPartialMaskBytes) {
+      return nullptr;
+    }
+  }
+  return result;
+}
+
+const bool* PartialMasks::find(int64_t n, int64_t h, int64_t q_block,
+                               int64_t kv_block, int64_t& stride) const {
+  const auto bm = mask_batches_ == 1 ? 0 : n, hm = mask_heads_ == 1 ? 0 : h;
+  const auto& row = rows_[(bm * mask_heads_ + hm) * nq_ + q_block];
+  const auto at =
+      std::lower_bound(row.blocks.begin(), row.blocks.end(), kv_block);
+  if (at == row.blocks.end() || *at != kv_block) {
+    return nullptr;
+  }
+  const auto& allowed = row.allowed;
+  stride = allowed.size(3);
+  const auto matrix = (allowed.size(0) == 1 ? 0 : n) * allowed.size(1) +
+                      (allowed.size(1) == 1 ? 0 : h);
+  return allowed.data_ptr<bool>() + matrix * allowed.size(2) * stride +
+         row.col0[at - row.blocks.begin()];
 }
 
 namespace {
@@ -224,6 +328,9 @@ AttentionResult blocked_attention(const torch::Tensor& query,
     bias = torch::Tensor();  // in score_mod now
     if (!flex->block_mask.empty()) {
       spec.block_rows = flex->block_mask.block_q;  // a block: a query block
+      const auto q4 = to_4d(query);
+      spec.partial_masks =
+          PartialMasks::evaluate(spec.flex->block_mask, q4.size(0), q4.size(1));
     }
   }
   const bool needs_grad =
