@@ -481,43 +481,78 @@ TEST_F(FlexAttention, ModsSeeOnlyTheVisitedBlocks) {
 // Partial blocks are evaluated once per call, one mask_mod call per query
 // block for every batch and head the block mask shares (b and h as index
 // tensors): a mod that reads b or h there still gives each its own flags,
-// the same bits as the items' own calls per block and head.
+// the results of the items' own calls per block and head (PartialMasksOff):
+// the same bits where the flags are applied as -inf (float64; a mask whose
+// rows are not one run of keys), to rounding where float32's fused softmax
+// takes each row's run of allowed keys as its limits instead.
 TEST_F(FlexAttention, PartialBlocksAreEvaluatedOncePerCall) {
-  auto in = make_inputs(2, 3, 3, 96, 160, 8, torch::kFloat64, true);
   auto key_lengths = torch::tensor({160, 100});
   std::atomic<int64_t> calls{0};
   // Every block partial for every head (the mask made without H or B is
   // right for all of them), the flags inside differing by head and batch.
-  MaskMod mod = [&calls, key_lengths](
-                    const torch::Tensor& b, const torch::Tensor& h,
-                    const torch::Tensor& q, const torch::Tensor& kv) {
+  MaskMod strided = [&calls, key_lengths](
+                        const torch::Tensor& b, const torch::Tensor& h,
+                        const torch::Tensor& q, const torch::Tensor& kv) {
     ++calls;
     return q.sub(kv).remainder(h + 2).ne(1).logical_and(
         kv.lt(key_lengths.index({b})));
   };
-  auto mask =
-      mha::create_block_mask(mod, c10::nullopt, c10::nullopt, 96, 160, 32);
-  EXPECT_EQ(mask.kv_num_blocks.sum().item<int64_t>(), 3 * 5);
-  check_against_reference(in, {}, mod, mask, {}, false, {},
-                          "partial blocks differing by head and batch");
-  auto run = [&] {
-    calls = 0;
-    auto [out, lse] = mha::flex_attention(in.q, in.k, in.v, {}, mask);
-    auto grads = torch::autograd::grad({out.pow(2).sum()}, {in.q, in.k, in.v});
-    grads.push_back(out);
-    return grads;
+  // One run per row: causal, from key 5 h + 3 b on (rows before it see
+  // nothing: output 0).
+  MaskMod runs = [&calls](const torch::Tensor& b, const torch::Tensor& h,
+                          const torch::Tensor& q, const torch::Tensor& kv) {
+    ++calls;
+    return q.ge(kv).logical_and(kv.ge(h.mul(5).add(b.mul(3))));
   };
-  auto once = run();
-  EXPECT_EQ(calls.load(), 3);  // one per query block, backward none
-  std::vector<torch::Tensor> per_block;
-  {
-    mha::detail::PartialMasksOff off;
-    per_block = run();
-  }
-  // Forward and backward's recomputation: batches x heads x partial blocks.
-  EXPECT_EQ(calls.load(), 2 * (2 * 3 * 3 * 5));
-  for (size_t i = 0; i < once.size(); ++i) {
-    EXPECT_TRUE(once[i].equal(per_block[i])) << "tensor " << i;
+  for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    for (const auto& [name, mod] :
+         {std::pair<std::string, MaskMod>{"strided", strided},
+          std::pair<std::string, MaskMod>{"runs", runs}}) {
+      const std::string what = name + ", " + c10::toString(dtype);
+      auto in = make_inputs(2, 3, 3, 96, 160, 8, dtype, true);
+      // Made from batch 1, head 2, the last keys to start: each block it
+      // sees partly is partial or unseen for every batch and head.
+      MaskMod last = [&mod](const torch::Tensor&, const torch::Tensor&,
+                            const torch::Tensor& q, const torch::Tensor& kv) {
+        return mod(torch::ones({}, torch::kLong),
+                   torch::full({}, 2, torch::kLong), q, kv);
+      };
+      auto mask =
+          mha::create_block_mask(name == "strided" ? mod : last, c10::nullopt,
+                                 c10::nullopt, 96, 160, 32);
+      mask.mask_mod = mod;  // what the core evaluates
+      const auto partial = mask.kv_num_blocks.sum().item<int64_t>();
+      EXPECT_EQ(partial, name == "strided" ? 3 * 5 : 5) << what;
+      EXPECT_EQ(mask.full_kv_num_blocks.sum().item<int64_t>(),
+                name == "strided" ? 0 : 1)
+          << what;
+      check_against_reference(in, {}, mod, mask, {}, false, {}, what);
+      auto run = [&] {
+        calls = 0;
+        auto [out, lse] = mha::flex_attention(in.q, in.k, in.v, {}, mask);
+        auto grads =
+            torch::autograd::grad({out.pow(2).sum()}, {in.q, in.k, in.v});
+        grads.push_back(out);
+        return grads;
+      };
+      auto once = run();
+      EXPECT_EQ(calls.load(), 3) << what;  // one per query block
+      std::vector<torch::Tensor> per_block;
+      {
+        mha::detail::PartialMasksOff off;
+        per_block = run();
+      }
+      // Forward and backward's recomputation, per batch, head and block.
+      EXPECT_EQ(calls.load(), 2 * (2 * 3 * partial)) << what;
+      for (size_t i = 0; i < once.size(); ++i) {
+        if (dtype == torch::kFloat64) {
+          EXPECT_TRUE(once[i].equal(per_block[i])) << what << " tensor " << i;
+        } else {
+          expect_close(once[i], per_block[i], 1e-6, 1e-5,
+                       what + " tensor " + std::to_string(i));
+        }
+      }
+    }
   }
 }
 

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <mutex>
@@ -25,6 +27,8 @@ namespace mha::detail {
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes
 /// and CPUs without fused_softmax_rows).
 void limited_softmax(torch::Tensor& p, const RowLimits& limits) {
+  TORCH_INTERNAL_ASSERT(limits.begins == nullptr,
+                        "limited_softmax: rows' own limits are fused only");
   const auto rows = p.size(-2), cols = p.size(-1);
   const bool limited =
       limits.begin(rows - 1, cols) > 0 || limits.end(0, cols) < cols;
@@ -126,6 +130,9 @@ struct FlexTile {
   torch::Tensor kv_idx;     // (1, cols) int64: the key of each column
   torch::Tensor raw;        // (rows, cols): scores before score_mod, or {}
   torch::Tensor empty;      // (rows) bool: rows left with no key, or {}
+  // Each row's run of allowed columns, where flex_scores gives them to the
+  // softmax as its limits (allowed_runs).
+  std::vector<int64_t> begins, ends;
   // Backward: score_mod's graph, one per chunk of rows (score_mod_rows)
   // whose output depends on the leaf: the leaves (views of raw), what
   // score_mod made of them, and their first row and rows.
@@ -152,28 +159,48 @@ struct FlexTile {
   }
 };
 
+/// row[0, cols) set to -inf where flags (0 or 1) is 0, by the bits (-inf's
+/// where the flag is 0, the score's where it is 1; memcpy, as the standard
+/// allows), so that the compiler vectorises it: the loop with a select ran
+/// a compare and branch a score.
+template <typename T, typename Bits>
+void fill_row(T* row, const uint8_t* flags, int64_t cols) {
+  static_assert(sizeof(T) == sizeof(Bits), "fill_row: bits of T");
+  const T minus_inf = -std::numeric_limits<T>::infinity();
+  Bits blocked;
+  std::memcpy(&blocked, &minus_inf, sizeof(T));
+  for (int64_t c = 0; c < cols; ++c) {
+    Bits score;
+    std::memcpy(&score, row + c, sizeof(T));
+    const Bits keep = Bits{0} - static_cast<Bits>(flags[c]);  // all 1s or 0
+    score = (score & keep) | (blocked & ~keep);
+    std::memcpy(row + c, &score, sizeof(T));
+  }
+}
+
 /// p (rows, cols; unit column stride) set to -inf where `allowed` is false
 /// (row r's flags at allowed + r * stride): PartialMasks' flags applied.
 void fill_disallowed(const torch::Tensor& p, const bool* allowed,
                      int64_t stride) {
-  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "fill_disallowed", [&] {
-    auto* data = p.data_ptr<scalar_t>();
-    const auto rows = p.size(0), cols = p.size(1), ld = p.stride(0);
-    const auto blocked = -std::numeric_limits<scalar_t>::infinity();
-    for (int64_t r = 0; r < rows; ++r) {
-      scalar_t* row = data + r * ld;
-      const bool* flags = allowed + r * stride;
-      for (int64_t c = 0; c < cols; ++c) {
-        row[c] = flags[c] ? row[c] : blocked;
-      }
+  const auto rows = p.size(0), cols = p.size(1), ld = p.stride(0);
+  const auto* flags = reinterpret_cast<const uint8_t*>(allowed);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (p.scalar_type() == torch::kFloat) {
+      fill_row<float, uint32_t>(p.data_ptr<float>() + r * ld,
+                                flags + r * stride, cols);
+    } else {
+      fill_row<double, uint64_t>(p.data_ptr<double>() + r * ld,
+                                 flags + r * stride, cols);
     }
-  });
+  }
 }
 
 /// (rows) bool, true at the rows of p (rows, cols; contiguous) whose every
-/// score is -inf, or undefined where there is none. A row's scan stops at
-/// its first other score (a NaN included, as amax(row) == -inf decides).
-torch::Tensor rows_without_keys(const torch::Tensor& p) {
+/// score within `limits` is -inf (or that have none there), or undefined
+/// where there is none. A row's scan stops at its first other score (a NaN
+/// included, as amax(row) == -inf decides).
+torch::Tensor rows_without_keys(const torch::Tensor& p,
+                                const RowLimits& limits) {
   torch::Tensor none;
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "rows_without_keys", [&] {
     const auto* data = p.data_ptr<scalar_t>();
@@ -181,7 +208,7 @@ torch::Tensor rows_without_keys(const torch::Tensor& p) {
     const auto blocked = -std::numeric_limits<scalar_t>::infinity();
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* row = data + r * cols;
-      if (std::all_of(row, row + cols,
+      if (std::all_of(row + limits.begin(r, cols), row + limits.end(r, cols),
                       [&](scalar_t x) { return x == blocked; })) {
         if (!none.defined()) {
           none =
@@ -202,18 +229,69 @@ int64_t score_mod_rows(int64_t cols) {
   return std::max<int64_t>(1, kScoreModElements / std::max<int64_t>(1, cols));
 }
 
+/// Each row's allowed columns of a block as one run, into tile.begins and
+/// tile.ends, from the partial blocks' runs (PartialMasks::Flags; every
+/// column of a full key block is allowed): true where every row's are one
+/// run, false (the runs unusable) where some row's are not.
+bool allowed_runs(const Block& block,
+                  const std::vector<PartialMasks::Flags>& flags,
+                  const std::vector<int64_t>& offsets, FlexTile& tile) {
+  tile.begins.assign(block.rows, 0);
+  tile.ends.assign(block.rows, 0);
+  for (int64_t r = 0; r < block.rows; ++r) {
+    int64_t begin = -1, end = -1;
+    bool one_run = true;
+    auto add = [&](int64_t b, int64_t e) {  // columns [b, e), ascending
+      if (b >= e) {
+        return;
+      }
+      if (begin < 0) {
+        begin = b;
+        end = e;
+      } else if (b == end) {
+        end = e;
+      } else {
+        one_run = false;
+      }
+    };
+    int64_t col = 0;
+    for (size_t i = 0; i < block.partial.size() && one_run; ++i) {
+      const auto& span = block.partial[i];
+      add(col, span.col);  // full key blocks before it
+      const int32_t* run = flags[i].runs + 2 * r;
+      if (run[0] < 0) {
+        return false;
+      }
+      add(span.col + std::clamp<int64_t>(run[0] - offsets[i], 0, span.cols),
+          span.col + std::clamp<int64_t>(run[1] - offsets[i], 0, span.cols));
+      col = span.col + span.cols;
+    }
+    add(col, block.cols);
+    if (!one_run) {
+      return false;
+    }
+    tile.begins[r] = std::max<int64_t>(begin, 0);
+    tile.ends[r] = std::max<int64_t>(end, 0);
+  }
+  return true;
+}
+
 /// The flex steps of block_weights on the scaled scores p (rows, cols):
 /// score_mod (where `keep_raw`, backward's recomputation, on a copy of the
 /// scores in tile.raw, with its autograd graph kept in tile.graph_*),
-/// the additive mask, mask_mod on the partial blocks and, with a block
-/// mask, the positions' limits; then the rows left with no key (every
-/// score -inf, as Python's FlexAttention decides) in tile.empty, OR-ed with
-/// the mask's `empty` flags, and each row's logsumexp into `lse_rows` where
-/// defined.
-void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
-                 const torch::Tensor& mask, const torch::Tensor& blocked,
-                 const bool* empty, FlexTile& tile, bool keep_raw,
-                 const torch::Tensor& lse_rows) {
+/// the additive mask, the partial blocks' mask (PartialMasks' flags, or
+/// mask_mod called here) and, with a block mask, the positions' limits;
+/// then the rows left with no key (every score -inf, as Python's
+/// FlexAttention decides) in tile.empty, OR-ed with the mask's `empty`
+/// flags, and each row's logsumexp into `lse_rows` where defined. Returns
+/// the limits for the softmax: every column, or, where the fused softmax
+/// runs and each row's allowed keys are one run (causal, documents,
+/// windows), those runs instead of -inf outside them.
+RowLimits flex_scores(torch::Tensor& p, const BlockedSpec& spec,
+                      const Block& block, const torch::Tensor& mask,
+                      const torch::Tensor& blocked, const bool* empty,
+                      FlexTile& tile, bool keep_raw,
+                      const torch::Tensor& lse_rows) {
   const auto& flex = *spec.flex;
   if (flex.score_mod) {
     tile.index(block);
@@ -256,34 +334,47 @@ void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
           kNegInf);
     }
   }
-  for (const auto& span : block.partial) {
-    const auto& block_mask = flex.block_mask;
-    const auto kv_block = span.key0 / block_mask.block_kv;
-    int64_t stride = 0;
-    const bool* allowed =
-        spec.partial_masks == nullptr
-            ? nullptr
-            : spec.partial_masks->find(tile.n, tile.head,
-                                       block.row0 / block_mask.block_q,
-                                       kv_block, stride);
-    if (allowed != nullptr) {
-      fill_disallowed(p.narrow(1, span.col, span.cols),
-                      allowed + (span.key0 - kv_block * block_mask.block_kv),
-                      stride);
-      continue;
+  const auto& positions = spec.positions;
+  const bool limited = positions.causal || positions.window > 0;
+  // The partial blocks' evaluated flags, where every one has them.
+  const auto& block_mask = flex.block_mask;
+  std::vector<PartialMasks::Flags> flags(block.partial.size());
+  std::vector<int64_t> offsets(block.partial.size());  // span.key0 in its block
+  bool evaluated = spec.partial_masks != nullptr;
+  for (size_t i = 0; i < block.partial.size() && evaluated; ++i) {
+    const auto kv_block = block.partial[i].key0 / block_mask.block_kv;
+    offsets[i] = block.partial[i].key0 - kv_block * block_mask.block_kv;
+    evaluated = spec.partial_masks->find(
+        tile.n, tile.head, block.row0 / block_mask.block_q, kv_block, flags[i]);
+  }
+  RowLimits limits;
+  limits.end0 = block.cols;
+  // One run of allowed keys per row: the fused softmax's limits take the
+  // partial blocks' mask (where -inf outside them would count for nothing
+  // else: no additive mask, no positions' limits, no logsumexp).
+  if (evaluated && !block.partial.empty() && !mask.defined() && !limited &&
+      !lse_rows.defined() && p.scalar_type() == torch::kFloat &&
+      fused_softmax_available() && allowed_runs(block, flags, offsets, tile)) {
+    limits.begins = tile.begins.data();
+    limits.ends = tile.ends.data();
+  } else {
+    for (size_t i = 0; i < block.partial.size(); ++i) {
+      const auto& span = block.partial[i];
+      auto p_span = p.narrow(1, span.col, span.cols);
+      if (evaluated) {
+        fill_disallowed(p_span, flags[i].allowed + offsets[i], flags[i].stride);
+        continue;
+      }
+      tile.index(block);
+      auto kv = tile.kv_idx.narrow(1, span.col, span.cols);
+      p_span.masked_fill_(call_mask_mod(block_mask.mask_mod, tile.b, tile.h,
+                                        tile.q_idx, kv, {block.rows, span.cols})
+                              .logical_not(),
+                          kNegInf);
     }
-    tile.index(block);
-    auto kv = tile.kv_idx.narrow(1, span.col, span.cols);
-    p.narrow(1, span.col, span.cols)
-        .masked_fill_(call_mask_mod(flex.block_mask.mask_mod, tile.b, tile.h,
-                                    tile.q_idx, kv, {block.rows, span.cols})
-                          .logical_not(),
-                      kNegInf);
   }
   // The positions' limits here rather than in the softmax, so that the
   // fully masked rows below count them.
-  const auto& positions = spec.positions;
-  const bool limited = positions.causal || positions.window > 0;
   if (limited) {
     tile.index(block);
     if (positions.window > 0) {
@@ -296,13 +387,13 @@ void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
   const bool surely_seen = block.has_full && !flex.score_mod &&
                            !mask.defined() && !limited && empty == nullptr;
   if (!surely_seen) {
-    tile.empty = rows_without_keys(p);  // (rows), or {} for none
+    tile.empty = rows_without_keys(p, limits);  // (rows), or {} for none
     if (empty != nullptr) {
-      const auto flags =
+      const auto flags_in =
           torch::from_blob(const_cast<bool*>(empty), {block.rows},
                            torch::TensorOptions().dtype(torch::kBool));
-      tile.empty =
-          tile.empty.defined() ? tile.empty.logical_or(flags) : flags.clone();
+      tile.empty = tile.empty.defined() ? tile.empty.logical_or(flags_in)
+                                        : flags_in.clone();
       if (!tile.empty.any().item<bool>()) {
         tile.empty = torch::Tensor();
       }
@@ -314,6 +405,7 @@ void flex_scores(torch::Tensor& p, const BlockedSpec& spec, const Block& block,
       lse_rows.masked_fill_(tile.empty, kNegInf);
     }
   }
+  return limits;
 }
 
 /// Writes into `p` (rows, cols) the attention weights of one block of query
@@ -339,10 +431,9 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
   }
   RowLimits limits;
   if (tile != nullptr) {
-    flex_scores(p, spec, block, mask, blocked, empty, *tile, keep_raw,
-                lse_rows);
+    limits = flex_scores(p, spec, block, mask, blocked, empty, *tile, keep_raw,
+                         lse_rows);
     empty = tile->empty.defined() ? tile->empty.data_ptr<bool>() : nullptr;
-    limits.end0 = block.cols;  // applied by flex_scores
   } else {
     if (mask.defined()) {
       p.add_(mask_block(mask, block.row0, block.rows, block.col0, block.cols));

@@ -38,16 +38,28 @@ class PartialMasks {
   static std::shared_ptr<const PartialMasks> evaluate(const BlockMask& mask,
                                                       int64_t N, int64_t H);
 
-  /// The flags (true = may attend) of key block kv_block against query
-  /// block q_block of head (n, h): row r, key j of the block at
-  /// result[r * stride + j]; null where that block is not partial there.
-  const bool* find(int64_t n, int64_t h, int64_t q_block, int64_t kv_block,
-                   int64_t& stride) const;
+  /// One partial block of one head, as find gives it.
+  struct Flags {
+    /// true = may attend: row r, key j of the block at allowed[r * stride
+    /// + j].
+    const bool* allowed = nullptr;
+    int64_t stride = 0;
+    /// Row r's allowed keys as one run [runs[2 r], runs[2 r + 1]) of the
+    /// block's keys (empty: begin = end), or runs[2 r] = -1 where they are
+    /// not one run.
+    const int32_t* runs = nullptr;
+  };
+
+  /// The flags of key block kv_block against query block q_block of head
+  /// (n, h); false where that block is not partial there.
+  bool find(int64_t n, int64_t h, int64_t q_block, int64_t kv_block,
+            Flags& flags) const;
 
  private:
   /// One query block of one (batch, head) row of the mask.
   struct Row {
     torch::Tensor allowed;        // bool (Nr, Hr, rows, width), contiguous
+    torch::Tensor runs;           // int32 (Nr, Hr, partials, rows, 2)
     std::vector<int64_t> blocks;  // its partial key blocks, ascending
     std::vector<int64_t> col0;    // the first column of each in `allowed`
   };

@@ -8,6 +8,7 @@
 // length, D and Dv the query/key and value features.
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -77,6 +78,49 @@ std::atomic<int> partial_masks_off{0};
 PartialMasksOff::PartialMasksOff() { ++partial_masks_off; }
 PartialMasksOff::~PartialMasksOff() { --partial_masks_off; }
 
+namespace {
+
+/// Each row's allowed keys in each partial block as one run (begin, end)
+/// of the block's keys, or (-1, -1) where they are not one run: int32
+/// (Nr, Hr, partials, rows, 2) from `allowed` (Nr, Hr, rows, width), the
+/// partial blocks side by side from col0[j].
+template <typename WidthOf>
+torch::Tensor allowed_runs(const torch::Tensor& allowed,
+                           const std::vector<int64_t>& col0,
+                           const WidthOf& width_of,
+                           const std::vector<int64_t>& blocks) {
+  const auto matrices = allowed.size(0) * allowed.size(1);
+  const auto rows = allowed.size(2), width = allowed.size(3);
+  const auto partials = static_cast<int64_t>(blocks.size());
+  auto runs =
+      torch::empty({allowed.size(0), allowed.size(1), partials, rows, 2},
+                   torch::TensorOptions().dtype(torch::kInt));
+  auto* run = runs.data_ptr<int32_t>();
+  const auto* flags = allowed.data_ptr<bool>();
+  for (int64_t m = 0; m < matrices; ++m) {
+    for (int64_t j = 0; j < partials; ++j) {
+      const auto w = width_of(blocks[j]);
+      for (int64_t r = 0; r < rows; ++r, run += 2) {
+        // memchr on the flags' bytes (a bool is one byte, 0 or 1).
+        const auto* f = reinterpret_cast<const unsigned char*>(
+            flags + (m * rows + r) * width + col0[j]);
+        auto first = [&](int64_t from, int value) {
+          const void* at = std::memchr(f + from, value, w - from);
+          return at == nullptr ? w : static_cast<const unsigned char*>(at) - f;
+        };
+        const auto begin = first(0, 1);
+        const auto end = begin == w ? w : first(begin, 0);
+        const bool one_run = end == w || first(end, 1) == w;
+        run[0] = one_run ? static_cast<int32_t>(begin) : -1;
+        run[1] = one_run ? static_cast<int32_t>(end) : -1;
+      }
+    }
+  }
+  return runs;
+}
+
+}  // namespace
+
 std::shared_ptr<const PartialMasks> PartialMasks::evaluate(
     const BlockMask& mask, int64_t N, int64_t H) {
   if (partial_masks_off.load() > 0) {
@@ -116,60 +160,70 @@ std::shared_ptr<const PartialMasks> PartialMasks::evaluate(
   const auto Nb = Bm == 1 ? N : 1, Hb = Hm == 1 ? H : 1;
   const auto all_b = torch::arange(Nb, options).view({Nb, 1, 1, 1});
   const auto all_h = torch::arange(Hb, options).view({1, Hb, 1, 1});
-  bytes = 0;
-  for (int64_t m = 0; m < Bm * Hm * nq; ++m) {
-    auto& row = result->rows_[m];
-    if (count[m] == 0) {
-      continue;
+  // One mask_mod call per row of the mask, the rows spread over ATen's
+  // threads (an exception reaches the caller from any of them).
+  std::atomic<int64_t> taken{0};
+  at::parallel_for(0, Bm * Hm * nq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      auto& row = result->rows_[m];
+      if (count[m] == 0 || taken.load() > kPartialMaskBytes) {
+        continue;
+      }
+      const auto i = m % nq, hm = m / nq % Hm, bm = m / nq / Hm;
+      std::vector<torch::Tensor> keys;
+      int64_t width = 0;
+      for (int32_t j = 0; j < count[m]; ++j) {
+        const int64_t kv_block = index[m * nkv + j];
+        row.blocks.push_back(kv_block);
+        row.col0.push_back(width);
+        const auto k0 = kv_block * mask.block_kv;
+        keys.push_back(torch::arange(k0, k0 + width_of(kv_block), options));
+        width += width_of(kv_block);
+      }
+      const auto q0 = i * mask.block_q, rows = rows_of(i);
+      auto allowed = call_mask_mod(
+          mask.mask_mod, Bm == 1 ? all_b : torch::scalar_tensor(bm, options),
+          Hm == 1 ? all_h : torch::scalar_tensor(hm, options),
+          torch::arange(q0, q0 + rows, options).unsqueeze(1),
+          torch::cat(keys).unsqueeze(0), {Nb, Hb, rows, width});
+      // Keep one copy of what the mod did not vary (an expanded dim).
+      if (allowed.stride(0) == 0) {
+        allowed = allowed.narrow(0, 0, 1);
+      }
+      if (allowed.stride(1) == 0) {
+        allowed = allowed.narrow(1, 0, 1);
+      }
+      row.allowed = allowed.contiguous();
+      taken += row.allowed.numel();
+      row.runs = allowed_runs(row.allowed, row.col0, width_of, row.blocks);
     }
-    const auto i = m % nq, hm = m / nq % Hm, bm = m / nq / Hm;
-    std::vector<torch::Tensor> keys;
-    int64_t width = 0;
-    for (int32_t j = 0; j < count[m]; ++j) {
-      const int64_t kv_block = index[m * nkv + j];
-      row.blocks.push_back(kv_block);
-      row.col0.push_back(width);
-      const auto k0 = kv_block * mask.block_kv;
-      keys.push_back(torch::arange(k0, k0 + width_of(kv_block), options));
-      width += width_of(kv_block);
-    }
-    const auto q0 = i * mask.block_q, rows = rows_of(i);
-    auto allowed = call_mask_mod(
-        mask.mask_mod, Bm == 1 ? all_b : torch::scalar_tensor(bm, options),
-        Hm == 1 ? all_h : torch::scalar_tensor(hm, options),
-        torch::arange(q0, q0 + rows, options).unsqueeze(1),
-        torch::cat(keys).unsqueeze(0), {Nb, Hb, rows, width});
-    // Keep one copy of what the mod did not vary (an expanded dim).
-    if (allowed.stride(0) == 0) {
-      allowed = allowed.narrow(0, 0, 1);
-    }
-    if (allowed.stride(1) == 0) {
-      allowed = allowed.narrow(1, 0, 1);
-    }
-    row.allowed = allowed.contiguous();
-    bytes += row.allowed.numel();
-    if (bytes > kPartialMaskBytes) {
-      return nullptr;
-    }
+  });
+  if (taken.load() > kPartialMaskBytes) {
+    return nullptr;
   }
   return result;
 }
 
-const bool* PartialMasks::find(int64_t n, int64_t h, int64_t q_block,
-                               int64_t kv_block, int64_t& stride) const {
+bool PartialMasks::find(int64_t n, int64_t h, int64_t q_block, int64_t kv_block,
+                        Flags& flags) const {
   const auto bm = mask_batches_ == 1 ? 0 : n, hm = mask_heads_ == 1 ? 0 : h;
   const auto& row = rows_[(bm * mask_heads_ + hm) * nq_ + q_block];
   const auto at =
       std::lower_bound(row.blocks.begin(), row.blocks.end(), kv_block);
   if (at == row.blocks.end() || *at != kv_block) {
-    return nullptr;
+    return false;
   }
+  const auto j = at - row.blocks.begin();
   const auto& allowed = row.allowed;
-  stride = allowed.size(3);
+  const auto rows = allowed.size(2), partials = row.runs.size(2);
   const auto matrix = (allowed.size(0) == 1 ? 0 : n) * allowed.size(1) +
                       (allowed.size(1) == 1 ? 0 : h);
-  return allowed.data_ptr<bool>() + matrix * allowed.size(2) * stride +
-         row.col0[at - row.blocks.begin()];
+  flags.stride = allowed.size(3);
+  flags.allowed =
+      allowed.data_ptr<bool>() + matrix * rows * flags.stride + row.col0[j];
+  flags.runs =
+      row.runs.data_ptr<int32_t>() + ((matrix * partials + j) * rows) * 2;
+  return true;
 }
 
 namespace {
@@ -346,8 +400,14 @@ AttentionResult blocked_attention(const torch::Tensor& query,
                       query.scalar_type() == torch::kFloat32 &&
                       onednn_products_available();
   // A flex call's mods are user code, which OpenBLAS's threads (that must
-  // make no BLAS call) do not run: its items run on ATen's or in order.
-  spec.threads = item_threads(scores, S, onednn && spec.flex == nullptr);
+  // make no BLAS call) do not run: where its items call one (a score_mod,
+  // or mask_mod on partial blocks not evaluated before, PartialMasks), they
+  // run on ATen's or in order.
+  const bool mods_in_items =
+      spec.flex != nullptr &&
+      (bool(spec.flex->score_mod) ||
+       (!spec.flex->block_mask.empty() && spec.partial_masks == nullptr));
+  spec.threads = item_threads(scores, S, onednn && !mods_in_items);
   // oneDNN's products where each runs on one core anyway: items spread
   // over either pool, and small calls in order (kSpreadScores). Larger
   // calls in order (where OpenBLAS's idle workers spin) keep BLAS's gemm on

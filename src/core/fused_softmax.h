@@ -334,18 +334,25 @@ inline SoftmaxRowKernel softmax_row_kernel() {
 
 /// The visible columns of the rows of one block of scores: row r sees
 /// columns [begin(r), end(r)), each limit either fixed or moving one column
-/// right per row (a causal diagonal, a sliding window's edge).
+/// right per row (a causal diagonal, a sliding window's edge), or, where
+/// `begins` is not null, row r's own [begins[r], ends[r]) (a flex call's
+/// runs of allowed keys).
 struct RowLimits {
   int64_t begin0 = 0;  ///< begin of row 0 (may be negative)
   int64_t end0 = 0;    ///< end of row 0 (may exceed cols)
   bool begin_slides = false;
   bool end_slides = false;
+  const int64_t* begins = nullptr;  ///< or each row's own limits
+  const int64_t* ends = nullptr;
 
   int64_t begin(int64_t r, int64_t cols) const {
-    return std::clamp<int64_t>(begin0 + (begin_slides ? r : 0), 0, cols);
+    return std::clamp<int64_t>(
+        begins != nullptr ? begins[r] : begin0 + (begin_slides ? r : 0), 0,
+        cols);
   }
   int64_t end(int64_t r, int64_t cols) const {
-    return std::clamp<int64_t>(end0 + (end_slides ? r : 0), 0, cols);
+    return std::clamp<int64_t>(
+        ends != nullptr ? ends[r] : end0 + (end_slides ? r : 0), 0, cols);
   }
 };
 
