@@ -55,7 +55,11 @@ using ScoreMod = std::function<torch::Tensor(
 
 /// A mask predicate: bool, TRUE = the query MAY ATTEND to the key (Python
 /// FlexAttention's convention, the OPPOSITE of mha's bool masks). Indices as
-/// ScoreMod's; the result must broadcast against them.
+/// ScoreMod's; the result must broadcast against them. It must act element
+/// by element too: flex_attention's CPU core calls it once per query block
+/// of the block mask, on that block's partial key blocks side by side, with
+/// b (B, 1, 1, 1) and h (1, Hq, 1, 1) where the block mask is shared by the
+/// batches or heads (a mod that reads neither is evaluated once for all).
 ///
 /// Example (causal, Python `q_idx >= kv_idx`):
 ///   mha::MaskMod causal = [](const torch::Tensor&, const torch::Tensor&,

@@ -318,8 +318,12 @@ enum class KeptWeights {
 /// without dropout; `packed` and `flex` as attention_core's. With an
 /// active `flex`, a block is one query block of its block mask (or
 /// block_rows as above where it has none) and its columns the keys of the
-/// visited key blocks, side by side; nothing is kept for backward, and the
-/// items run on ATen's threads or in order (the mods are user code).
+/// visited key blocks, side by side; its mask_mod is evaluated on the
+/// partial blocks once, before the items (PartialMasks, blocked_attention.h);
+/// nothing is kept for backward, and the items run on ATen's threads or in
+/// order where they call a mod (user code: a score_mod, or mask_mod where
+/// the partial blocks' flags were over their budget), else as a built-in
+/// call's.
 AttentionResult blocked_attention(
     const torch::Tensor& query, const torch::Tensor& key,
     const torch::Tensor& value, const torch::Tensor& mask,

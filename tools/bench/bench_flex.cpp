@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/bench_run.h"
@@ -109,11 +110,12 @@ nlohmann::json flex_table(bool quick, const Settings& settings) {
             : std::vector<int64_t>{1024, 4096, 16384};
   const int64_t H = quick ? 2 : 8, D = quick ? 16 : 64;
   const int64_t window = quick ? 32 : 256, block = quick ? 64 : 128;
-  const int reps = quick ? 1 : 3;
+  const int reps = quick ? 1 : 5;
   fmt::print(
       "\nflex: flex_attention at (1, {}, L, {}), {}, block {}; built-in: the "
       "attention core with the same option (mha's modules' call); median of "
-      "{} runs; fwd = forward without gradient, fwd+bwd = forward and "
+      "{} runs, flex and built-in interleaved; fwd = forward without gradient, "
+      "fwd+bwd = forward and "
       "backward of sum(output); density = visited blocks / all; ratio = flex "
       "/ built-in, or for rows without one flex / (density x built-in "
       "causal) (documents, density relative to causal's) or flex / built-in "
@@ -153,13 +155,24 @@ nlohmann::json flex_table(bool quick, const Settings& settings) {
           return Named{{"output", out}};
         };
       };
-      auto median = [&](const Run& run) {
-        time_once(run, settings.device);
-        std::vector<double> t;
-        for (int i = 0; i < reps; ++i) {
-          t.push_back(time_once(run, settings.device));
+      // The medians of `flex` and of `builtin` (where not null), their runs
+      // interleaved (flex, built-in, flex, ...) after one untimed run of
+      // each, so that the machine's drift reaches both alike.
+      auto medians = [&](const Run& flex,
+                         const Run* builtin) -> std::pair<double, double> {
+        time_once(flex, settings.device);
+        if (builtin != nullptr) {
+          time_once(*builtin, settings.device);
         }
-        return median_of(t);
+        std::vector<double> t_flex, t_builtin;
+        for (int i = 0; i < reps; ++i) {
+          t_flex.push_back(time_once(flex, settings.device));
+          if (builtin != nullptr) {
+            t_builtin.push_back(time_once(*builtin, settings.device));
+          }
+        }
+        return {median_of(t_flex),
+                builtin != nullptr ? median_of(t_builtin) : NAN};
       };
       auto peak_mib = [&](const Run& run) {
         int64_t kib = 0;
@@ -167,18 +180,20 @@ nlohmann::json flex_table(bool quick, const Settings& settings) {
         return static_cast<double>(kib) / 1024.0;
       };
       const double density = 1.0 - c.block_mask.sparsity() / 100.0;
-      const double fwd = median(call(true, false));
-      const double fb = median(call(true, true));
+      const Run builtin_fwd = call(false, false),
+                builtin_fb = call(false, true);
+      const auto* has_builtin_fwd = c.builtin ? &builtin_fwd : nullptr;
+      const auto* has_builtin_fb = c.builtin ? &builtin_fb : nullptr;
+      const auto [fwd, b_fwd] = medians(call(true, false), has_builtin_fwd);
+      const auto [fb, b_fb] = medians(call(true, true), has_builtin_fb);
       const double peak = peak_mib(call(true, true));
-      double b_fwd = NAN, b_fb = NAN, b_peak = NAN, diff = NAN;
+      double b_peak = NAN, diff = NAN;
       if (c.builtin) {
         // The two compute the same: their outputs agree to rounding.
         const auto flex_out = call(true, false)()[0].second;
-        const auto builtin_out = call(false, false)()[0].second;
+        const auto builtin_out = builtin_fwd()[0].second;
         diff = (flex_out - builtin_out).abs().max().item<double>();
-        b_fwd = median(call(false, false));
-        b_fb = median(call(false, true));
-        b_peak = peak_mib(call(false, true));
+        b_peak = peak_mib(builtin_fb);
       }
       if (c.name == "causal") {
         causal_fwd = b_fwd;
