@@ -131,7 +131,7 @@ struct FlexTile {
   torch::Tensor raw;        // (rows, cols): scores before score_mod, or {}
   torch::Tensor empty;      // (rows) bool: rows left with no key, or {}
   // Each row's run of allowed columns, where flex_scores gives them to the
-  // softmax as its limits (allowed_runs).
+  // softmax as its limits (row_runs).
   std::vector<int64_t> begins, ends;
   // Backward: score_mod's graph, one per chunk of rows (score_mod_rows)
   // whose output depends on the leaf: the leaves (views of raw), what
@@ -233,9 +233,8 @@ int64_t score_mod_rows(int64_t cols) {
 /// tile.ends, from the partial blocks' runs (PartialMasks::Flags; every
 /// column of a full key block is allowed): true where every row's are one
 /// run, false (the runs unusable) where some row's are not.
-bool allowed_runs(const Block& block,
-                  const std::vector<PartialMasks::Flags>& flags,
-                  const std::vector<int64_t>& offsets, FlexTile& tile) {
+bool row_runs(const Block& block, const std::vector<PartialMasks::Flags>& flags,
+              const std::vector<int64_t>& offsets, FlexTile& tile) {
   tile.begins.assign(block.rows, 0);
   tile.ends.assign(block.rows, 0);
   for (int64_t r = 0; r < block.rows; ++r) {
@@ -354,7 +353,7 @@ RowLimits flex_scores(torch::Tensor& p, const BlockedSpec& spec,
   // else: no additive mask, no positions' limits, no logsumexp).
   if (evaluated && !block.partial.empty() && !mask.defined() && !limited &&
       !lse_rows.defined() && p.scalar_type() == torch::kFloat &&
-      fused_softmax_available() && allowed_runs(block, flags, offsets, tile)) {
+      fused_softmax_available() && row_runs(block, flags, offsets, tile)) {
     limits.begins = tile.begins.data();
     limits.ends = tile.ends.data();
   } else {

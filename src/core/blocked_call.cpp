@@ -85,10 +85,10 @@ namespace {
 /// (Nr, Hr, partials, rows, 2) from `allowed` (Nr, Hr, rows, width), the
 /// partial blocks side by side from col0[j].
 template <typename WidthOf>
-torch::Tensor allowed_runs(const torch::Tensor& allowed,
-                           const std::vector<int64_t>& col0,
-                           const WidthOf& width_of,
-                           const std::vector<int64_t>& blocks) {
+torch::Tensor runs_of_flags(const torch::Tensor& allowed,
+                            const std::vector<int64_t>& col0,
+                            const WidthOf& width_of,
+                            const std::vector<int64_t>& blocks) {
   const auto matrices = allowed.size(0) * allowed.size(1);
   const auto rows = allowed.size(2), width = allowed.size(3);
   const auto partials = static_cast<int64_t>(blocks.size());
@@ -195,7 +195,7 @@ std::shared_ptr<const PartialMasks> PartialMasks::evaluate(
       }
       row.allowed = allowed.contiguous();
       taken += row.allowed.numel();
-      row.runs = allowed_runs(row.allowed, row.col0, width_of, row.blocks);
+      row.runs = runs_of_flags(row.allowed, row.col0, width_of, row.blocks);
     }
   });
   if (taken.load() > kPartialMaskBytes) {
