@@ -346,6 +346,11 @@ RowLimits flex_scores(torch::Tensor& p, const BlockedSpec& spec,
     evaluated = spec.partial_masks->find(
         tile.n, tile.head, block.row0 / block_mask.block_q, kv_block, flags[i]);
   }
+  // Both come from one block mask: every partial block was evaluated. (The
+  // items of such a call may run on OpenBLAS's threads, which must not run
+  // mask_mod, user code.)
+  TORCH_INTERNAL_ASSERT(evaluated || spec.partial_masks == nullptr,
+                        "flex_scores: a partial block PartialMasks lacks");
   RowLimits limits;
   limits.end0 = block.cols;
   // One run of allowed keys per row: the fused softmax's limits take the
