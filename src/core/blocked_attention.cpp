@@ -1,7 +1,8 @@
 // Blocked attention, the CPU path of the attention core (attention_core.h):
 // for each (batch, head), query rows in blocks, the scores of one block at a
 // time in a reused per-thread buffer, blocks spread over threads
-// (item_threads.cpp).
+// (item_threads.cpp); a FlexAttention call's steps of a block in
+// blocked_flex.cpp.
 //
 // Glossary: N batch, H heads (the two leading dims of 4-D inputs), L target
 // (query) length, S source (key) length, D and Dv the query/key and value
@@ -11,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <mutex>
@@ -20,6 +20,7 @@
 
 #include "core/blas_gemm.h"
 #include "core/blas_threads.h"
+#include "core/blocked_flex.h"
 
 namespace mha::detail {
 
@@ -53,6 +54,12 @@ torch::Tensor bias_row(const torch::Tensor& relative_bias, int64_t h) {
   return relative_bias[relative_bias.size(0) == 1 ? 0 : h];
 }
 
+torch::Tensor mask_block(const torch::Tensor& m, int64_t row0, int64_t rows,
+                         int64_t col0, int64_t cols) {
+  auto r = m.size(0) == 1 ? m : m.narrow(0, row0, rows);
+  return r.size(1) == 1 ? r : r.narrow(1, col0, cols);
+}
+
 namespace {
 
 /// The (n, h) slice of a tensor broadcastable to (N, H, ...).
@@ -79,14 +86,6 @@ const bool* empty_flags(const BlockedSpec& spec, int64_t n, int64_t h,
   return spec.empty.defined()
              ? select_nh(spec.empty, n, h).data_ptr<bool>() + row0
              : nullptr;
-}
-
-/// Rows [row0, row0 + rows) and columns [col0, col0 + cols) of a mask slice
-/// that may broadcast in either dim.
-torch::Tensor mask_block(const torch::Tensor& m, int64_t row0, int64_t rows,
-                         int64_t col0, int64_t cols) {
-  auto r = m.size(0) == 1 ? m : m.narrow(0, row0, rows);
-  return r.size(1) == 1 ? r : r.narrow(1, col0, cols);
 }
 
 /// Rows [row0, row0 + rows) of matrix (n, h) of a 4-D tensor (N, H, T, F),
@@ -118,298 +117,6 @@ void block_gemm(const BlockedSpec& spec, torch::ScalarType dtype,
   if (!(spec.onednn && onednn_gemm_matrix(a, b, alpha, beta, c))) {
     gemm_matrix(dtype, a, b, alpha, beta, c);
   }
-}
-
-/// What a flex call's block needs beyond the scores: the index tensors its
-/// mods see, the scores before score_mod (kept for backward), and its fully
-/// masked rows.
-struct FlexTile {
-  int64_t n = 0, head = 0;  // the block's (batch, query head)
-  torch::Tensor b, h;       // () int64, made by index()
-  torch::Tensor q_idx;      // (rows, 1) int64
-  torch::Tensor kv_idx;     // (1, cols) int64: the key of each column
-  torch::Tensor raw;        // (rows, cols): scores before score_mod, or {}
-  torch::Tensor empty;      // (rows) bool: rows left with no key, or {}
-  // Each row's run of allowed columns, where flex_scores gives them to the
-  // softmax as its limits (row_runs).
-  std::vector<int64_t> begins, ends;
-  // Backward: score_mod's graph, one per chunk of rows (score_mod_rows)
-  // whose output depends on the leaf: the leaves (views of raw), what
-  // score_mod made of them, and their first row and rows.
-  std::vector<torch::Tensor> graph_in, graph_out;
-  std::vector<std::pair<int64_t, int64_t>> graph_rows;
-
-  FlexTile(int64_t n_, int64_t head_) : n(n_), head(head_) {}
-  /// Makes the index tensors of `block` (once): only a block that calls a
-  /// mod needs them.
-  void index(const Block& block) {
-    if (q_idx.defined()) {
-      return;
-    }
-    const auto options = torch::TensorOptions().dtype(torch::kLong);
-    b = torch::scalar_tensor(n, options);
-    h = torch::scalar_tensor(head, options);
-    q_idx = torch::arange(block.row0, block.row0 + block.rows, options)
-                .unsqueeze(1);  // (rows, 1)
-    std::vector<torch::Tensor> keys;
-    for (const auto& span : block.spans) {
-      keys.push_back(torch::arange(span.key0, span.key0 + span.cols, options));
-    }
-    kv_idx = (keys.size() == 1 ? keys[0] : torch::cat(keys)).unsqueeze(0);
-  }
-};
-
-/// row[0, cols) set to -inf where flags (0 or 1) is 0, by the bits (-inf's
-/// where the flag is 0, the score's where it is 1; memcpy, as the standard
-/// allows), so that the compiler vectorises it: the loop with a select ran
-/// a compare and branch a score.
-template <typename T, typename Bits>
-void fill_row(T* row, const uint8_t* flags, int64_t cols) {
-  static_assert(sizeof(T) == sizeof(Bits), "fill_row: bits of T");
-  const T minus_inf = -std::numeric_limits<T>::infinity();
-  Bits blocked;
-  std::memcpy(&blocked, &minus_inf, sizeof(T));
-  for (int64_t c = 0; c < cols; ++c) {
-    Bits score;
-    std::memcpy(&score, row + c, sizeof(T));
-    const Bits keep = Bits{0} - static_cast<Bits>(flags[c]);  // all 1s or 0
-    score = (score & keep) | (blocked & ~keep);
-    std::memcpy(row + c, &score, sizeof(T));
-  }
-}
-
-/// p (rows, cols; unit column stride) set to -inf where `allowed` is false
-/// (row r's flags at allowed + r * stride): PartialMasks' flags applied.
-void fill_disallowed(const torch::Tensor& p, const bool* allowed,
-                     int64_t stride) {
-  const auto rows = p.size(0), cols = p.size(1), ld = p.stride(0);
-  const auto* flags = reinterpret_cast<const uint8_t*>(allowed);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (p.scalar_type() == torch::kFloat) {
-      fill_row<float, uint32_t>(p.data_ptr<float>() + r * ld,
-                                flags + r * stride, cols);
-    } else {
-      fill_row<double, uint64_t>(p.data_ptr<double>() + r * ld,
-                                 flags + r * stride, cols);
-    }
-  }
-}
-
-/// (rows) bool, true at the rows of p (rows, cols; contiguous) whose every
-/// score within `limits` is -inf (or that have none there), or undefined
-/// where there is none. A row's scan stops at its first other score (a NaN
-/// included, as amax(row) == -inf decides).
-torch::Tensor rows_without_keys(const torch::Tensor& p,
-                                const RowLimits& limits) {
-  torch::Tensor none;
-  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "rows_without_keys", [&] {
-    const auto* data = p.data_ptr<scalar_t>();
-    const auto rows = p.size(0), cols = p.size(1);
-    const auto blocked = -std::numeric_limits<scalar_t>::infinity();
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* row = data + r * cols;
-      if (std::all_of(row + limits.begin(r, cols), row + limits.end(r, cols),
-                      [&](scalar_t x) { return x == blocked; })) {
-        if (!none.defined()) {
-          none =
-              torch::zeros({rows}, torch::TensorOptions().dtype(torch::kBool));
-        }
-        none.data_ptr<bool>()[r] = true;
-      }
-    }
-  });
-  return none;
-}
-
-/// Rows of a block's scores that score_mod sees at a time, for `cols`
-/// columns: about kScoreModElements scores (128 KiB of float32, glibc's
-/// default mmap threshold), at least one row.
-int64_t score_mod_rows(int64_t cols) {
-  constexpr int64_t kScoreModElements = 32 * 1024;
-  return std::max<int64_t>(1, kScoreModElements / std::max<int64_t>(1, cols));
-}
-
-/// Each row's allowed columns of a block as one run, into tile.begins and
-/// tile.ends, from the partial blocks' runs (PartialMasks::Flags; every
-/// column of a full key block is allowed): true where every row's are one
-/// run, false (the runs unusable) where some row's are not.
-bool row_runs(const Block& block, const std::vector<PartialMasks::Flags>& flags,
-              const std::vector<int64_t>& offsets, FlexTile& tile) {
-  tile.begins.assign(block.rows, 0);
-  tile.ends.assign(block.rows, 0);
-  for (int64_t r = 0; r < block.rows; ++r) {
-    int64_t begin = -1, end = -1;
-    bool one_run = true;
-    auto add = [&](int64_t b, int64_t e) {  // columns [b, e), ascending
-      if (b >= e) {
-        return;
-      }
-      if (begin < 0) {
-        begin = b;
-        end = e;
-      } else if (b == end) {
-        end = e;
-      } else {
-        one_run = false;
-      }
-    };
-    int64_t col = 0;
-    for (size_t i = 0; i < block.partial.size() && one_run; ++i) {
-      const auto& span = block.partial[i];
-      add(col, span.col);  // full key blocks before it
-      const int32_t* run = flags[i].runs + 2 * r;
-      if (run[0] < 0) {
-        return false;
-      }
-      add(span.col + std::clamp<int64_t>(run[0] - offsets[i], 0, span.cols),
-          span.col + std::clamp<int64_t>(run[1] - offsets[i], 0, span.cols));
-      col = span.col + span.cols;
-    }
-    add(col, block.cols);
-    if (!one_run) {
-      return false;
-    }
-    tile.begins[r] = std::max<int64_t>(begin, 0);
-    tile.ends[r] = std::max<int64_t>(end, 0);
-  }
-  return true;
-}
-
-/// The flex steps of block_weights on the scaled scores p (rows, cols):
-/// score_mod (where `keep_raw`, backward's recomputation, on a copy of the
-/// scores in tile.raw, with its autograd graph kept in tile.graph_*),
-/// the additive mask, the partial blocks' mask (PartialMasks' flags, or
-/// mask_mod called here) and, with a block mask, the positions' limits;
-/// then the rows left with no key (every score -inf, as Python's
-/// FlexAttention decides) in tile.empty, OR-ed with the mask's `empty`
-/// flags, and each row's logsumexp into `lse_rows` where defined. Returns
-/// the limits for the softmax: every column, or, where the fused softmax
-/// runs and each row's allowed keys are one run (causal, documents,
-/// windows), those runs instead of -inf outside them.
-RowLimits flex_scores(torch::Tensor& p, const BlockedSpec& spec,
-                      const Block& block, const torch::Tensor& mask,
-                      const torch::Tensor& blocked, const bool* empty,
-                      FlexTile& tile, bool keep_raw,
-                      const torch::Tensor& lse_rows) {
-  const auto& flex = *spec.flex;
-  if (flex.score_mod) {
-    tile.index(block);
-    if (keep_raw) {
-      tile.raw.copy_(p);
-    }
-    // Rows a few at a time: the mod's temporaries stay in the cache and in
-    // the allocator's free lists (a whole block's are fresh pages).
-    const int64_t rows = p.size(0), chunk = score_mod_rows(p.size(1));
-    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-      const auto r = std::min(chunk, rows - r0);
-      auto part = p.narrow(0, r0, r);
-      const auto q_idx = tile.q_idx.narrow(0, r0, r);
-      if (!keep_raw) {
-        part.copy_(call_score_mod(flex.score_mod, part, tile.b, tile.h, q_idx,
-                                  tile.kv_idx));
-        continue;
-      }
-      // Backward: one call gives the scores and the graph that
-      // flex_score_backward differentiates.
-      torch::AutoGradMode grad_mode(true);
-      auto leaf = tile.raw.narrow(0, r0, r).detach().requires_grad_();
-      auto modified = call_score_mod(flex.score_mod, leaf, tile.b, tile.h,
-                                     q_idx, tile.kv_idx);
-      part.copy_(modified.detach());
-      if (modified.requires_grad()) {
-        tile.graph_in.push_back(leaf);
-        tile.graph_out.push_back(modified);
-        tile.graph_rows.emplace_back(r0, r);
-      }
-    }
-  }
-  if (mask.defined()) {
-    for (const auto& span : block.spans) {
-      auto p_span = p.narrow(1, span.col, span.cols);
-      p_span.add_(
-          mask_block(mask, block.row0, block.rows, span.key0, span.cols));
-      p_span.masked_fill_(
-          mask_block(blocked, block.row0, block.rows, span.key0, span.cols),
-          kNegInf);
-    }
-  }
-  const auto& positions = spec.positions;
-  const bool limited = positions.causal || positions.window > 0;
-  // The partial blocks' evaluated flags, where every one has them.
-  const auto& block_mask = flex.block_mask;
-  std::vector<PartialMasks::Flags> flags(block.partial.size());
-  std::vector<int64_t> offsets(block.partial.size());  // span.key0 in its block
-  bool evaluated = spec.partial_masks != nullptr;
-  for (size_t i = 0; i < block.partial.size() && evaluated; ++i) {
-    const auto kv_block = block.partial[i].key0 / block_mask.block_kv;
-    offsets[i] = block.partial[i].key0 - kv_block * block_mask.block_kv;
-    evaluated = spec.partial_masks->find(
-        tile.n, tile.head, block.row0 / block_mask.block_q, kv_block, flags[i]);
-  }
-  // Both come from one block mask: every partial block was evaluated. (The
-  // items of such a call may run on OpenBLAS's threads, which must not run
-  // mask_mod, user code.)
-  TORCH_INTERNAL_ASSERT(evaluated || spec.partial_masks == nullptr,
-                        "flex_scores: a partial block PartialMasks lacks");
-  RowLimits limits;
-  limits.end0 = block.cols;
-  // One run of allowed keys per row: the fused softmax's limits take the
-  // partial blocks' mask (where -inf outside them would count for nothing
-  // else: no additive mask, no positions' limits, no logsumexp).
-  if (evaluated && !block.partial.empty() && !mask.defined() && !limited &&
-      !lse_rows.defined() && p.scalar_type() == torch::kFloat &&
-      fused_softmax_available() && row_runs(block, flags, offsets, tile)) {
-    limits.begins = tile.begins.data();
-    limits.ends = tile.ends.data();
-  } else {
-    for (size_t i = 0; i < block.partial.size(); ++i) {
-      const auto& span = block.partial[i];
-      auto p_span = p.narrow(1, span.col, span.cols);
-      if (evaluated) {
-        fill_disallowed(p_span, flags[i].allowed + offsets[i], flags[i].stride);
-        continue;
-      }
-      tile.index(block);
-      auto kv = tile.kv_idx.narrow(1, span.col, span.cols);
-      p_span.masked_fill_(call_mask_mod(block_mask.mask_mod, tile.b, tile.h,
-                                        tile.q_idx, kv, {block.rows, span.cols})
-                              .logical_not(),
-                          kNegInf);
-    }
-  }
-  // The positions' limits here rather than in the softmax, so that the
-  // fully masked rows below count them.
-  if (limited) {
-    tile.index(block);
-    if (positions.window > 0) {
-      p.masked_fill_(tile.kv_idx.lt(tile.q_idx + positions.begin(0)), kNegInf);
-    }
-    p.masked_fill_(tile.kv_idx.ge(tile.q_idx + positions.end(0)), kNegInf);
-  }
-  // A row sees some key when the block has a full key block and nothing
-  // could have set a score there to -inf.
-  const bool surely_seen = block.has_full && !flex.score_mod &&
-                           !mask.defined() && !limited && empty == nullptr;
-  if (!surely_seen) {
-    tile.empty = rows_without_keys(p, limits);  // (rows), or {} for none
-    if (empty != nullptr) {
-      const auto flags_in =
-          torch::from_blob(const_cast<bool*>(empty), {block.rows},
-                           torch::TensorOptions().dtype(torch::kBool));
-      tile.empty = tile.empty.defined() ? tile.empty.logical_or(flags_in)
-                                        : flags_in.clone();
-      if (!tile.empty.any().item<bool>()) {
-        tile.empty = torch::Tensor();
-      }
-    }
-  }
-  if (lse_rows.defined()) {
-    lse_rows.copy_(at::logsumexp(p, /*dim=*/1));
-    if (tile.empty.defined()) {
-      lse_rows.masked_fill_(tile.empty, kNegInf);
-    }
-  }
-  return limits;
 }
 
 /// Writes into `p` (rows, cols) the attention weights of one block of query
@@ -463,52 +170,6 @@ void block_weights(torch::Tensor& p, const torch::Tensor& q,
   // A fully masked row is softmax(-inf, ..., -inf) = NaN: it attends to
   // nothing. Rows made NaN by their data are left as they are.
   zero_rows(p, empty);
-}
-
-/// The flex step of backward: ds (rows, cols), the gradient of the scores
-/// after score_mod, becomes that of the scores before it (through
-/// score_mod's autograd graph that block_weights kept in tile.graph_*, one
-/// pass over its chunks), and the gradients of the captured tensors are
-/// added to `captured` (under `lock`).
-void flex_score_backward(torch::Tensor& ds, const BlockedSpec& spec,
-                         FlexTile& tile, std::vector<torch::Tensor>& captured,
-                         std::mutex& lock) {
-  const auto& flex = *spec.flex;
-  const auto chunks = tile.graph_out.size();
-  // Rows whose scores score_mod ignored get no gradient.
-  int64_t next = 0;
-  std::vector<torch::Tensor> grad_outputs;
-  for (const auto& [r0, r] : tile.graph_rows) {
-    ds.narrow(0, next, r0 - next).zero_();
-    grad_outputs.push_back(ds.detach().narrow(0, r0, r));
-    next = r0 + r;
-  }
-  ds.narrow(0, next, ds.size(0) - next).zero_();
-  if (chunks == 0) {
-    return;
-  }
-  std::vector<torch::Tensor> inputs = tile.graph_in;
-  inputs.insert(inputs.end(), flex.captured.begin(), flex.captured.end());
-  torch::AutoGradMode grad_mode(true);
-  const auto grads = torch::autograd::grad(
-      tile.graph_out, inputs, grad_outputs, /*retain_graph=*/false,
-      /*create_graph=*/false, /*allow_unused=*/true);
-  tile.graph_in.clear();
-  tile.graph_out.clear();
-  tile.graph_rows.clear();
-  for (size_t i = 0; i < chunks; ++i) {
-    if (grads[i].defined()) {
-      grad_outputs[i].copy_(grads[i]);
-    } else {
-      grad_outputs[i].zero_();
-    }
-  }
-  std::lock_guard<std::mutex> guard(lock);
-  for (size_t i = chunks; i < grads.size(); ++i) {
-    if (grads[i].defined()) {
-      captured[i - chunks].add_(grads[i]);
-    }
-  }
 }
 
 /// Whether oneDNN takes every matrix (the last two dims) of the 4-D

@@ -35,7 +35,7 @@ namespace mha::detail {
 /// against about 2.5 us for a fill from these flags). Forward at (1, 8,
 /// 4096, 64), 2 threads: causal through create_block_mask 77.8 -> 64.6 ms
 /// (the built-in causal call 63-66 ms), seven packed documents 45.4 ->
-/// 20-25 ms (docs/flex.md).
+/// 20-25 ms (docs/flex.md). Defined in blocked_flex.cpp.
 class PartialMasks {
  public:
   /// The flags of `mask` (int32 contiguous CPU tensors, as BlockedSpec's)
@@ -275,6 +275,11 @@ bool onednn_products_available();
 /// set to -inf, then ATen's softmax over the last dim (the path of dtypes
 /// and CPUs without fused_softmax_rows).
 void limited_softmax(torch::Tensor& p, const RowLimits& limits);
+
+/// Rows [row0, row0 + rows) and columns [col0, col0 + cols) of a mask slice
+/// (rows, cols) that may broadcast in either dim.
+torch::Tensor mask_block(const torch::Tensor& m, int64_t row0, int64_t rows,
+                         int64_t col0, int64_t cols);
 
 /// Row h (or 0 when shared by every head) of relative_bias (Hb, L + S - 1),
 /// or undefined for the empty placeholder of no bias.
