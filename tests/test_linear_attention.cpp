@@ -1164,6 +1164,119 @@ TEST_F(LinearAttentionLinformerTest, NonCausalOnly) {
 }
 
 // ---------------------------------------------------------------------------
+// Inference by segments: without autograd the features are made a segment
+// of rows at a time, the sums carried (linear_attention_by_segments). Forced
+// to 64-row segments on L = 150 (a partial last segment), the results equal
+// the whole sequence's (autograd on: features at once), causal and not,
+// self- and cross-attention, padding, grouped heads, decoding on from the
+// state a segmented prompt left; a counting feature map shows the segments.
+
+TEST_F(LinearAttentionModuleTest, InferenceBySegmentsEqualsWhole) {
+  const int64_t N = 2, E = 16, H = 4, L = 150, S = 130;
+  for (auto kind : {AttentionKind::kLinear, AttentionKind::kPerformer}) {
+    for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+      SCOPED_TRACE(std::string(mha::to_string(kind)) + " " +
+                   c10::toString(dtype));
+      const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+      int calls = 0;
+      auto options = mha::MultiHeadAttentionOptions(E, H)
+                         .attention_kind(kind)
+                         .num_kv_heads(2)
+                         .rotary(true);
+      if (kind == AttentionKind::kLinear) {
+        options.feature_map([&calls](const torch::Tensor& x) {
+          ++calls;
+          return mha::elu_feature_map(x);
+        });
+      }
+      auto m = make(options, dtype);
+      const auto opts = torch::TensorOptions(dtype);
+      auto x = torch::randn({N, L, E}, opts);
+      auto memory = torch::randn({N, S, E}, opts);
+      auto pad = torch::zeros({N, L}, torch::kBool);
+      pad.index_put_({1, torch::indexing::Slice(100, L)}, true);
+      auto pad_s = torch::zeros({N, S}, torch::kBool);
+      pad_s.index_put_({0, torch::indexing::Slice(0, 70)}, true);
+      // Positions restarting at 0 (packed documents) for rotary.
+      const auto positions =
+          torch::arange(L, torch::kLong).remainder(37).expand({N, L});
+      const auto run = [&](bool segments, const torch::Tensor& key,
+                           const torch::Tensor& padding, bool causal,
+                           const torch::Tensor& at = {}) {
+        if (!segments) {  // autograd on: the whole sequence's features
+          return std::get<0>(
+              m->forward(x, key, key, padding, false, {}, true, causal, at));
+        }
+        torch::NoGradGuard no_grad;
+        mha::detail::SegmentRowsForTests rows(64);
+        return std::get<0>(
+            m->forward(x, key, key, padding, false, {}, true, causal, at));
+      };
+      for (bool causal : {true, false}) {
+        SCOPED_TRACE(causal ? "causal" : "non-causal");
+        calls = 0;
+        auto segmented = run(true, {}, pad, causal);
+        if (kind == AttentionKind::kLinear) {
+          EXPECT_EQ(calls, 6);  // 3 segments of queries and of keys
+        }
+        expect_close(segmented, run(false, {}, pad, causal).detach(), tol, tol,
+                     "self-attention");
+      }
+      expect_close(run(true, {}, pad, true, positions),
+                   run(false, {}, pad, true, positions).detach(), tol, tol,
+                   "positions");
+      // Cross-attention (non-causal), S != L, padded memory.
+      expect_close(run(true, memory, pad_s, false),
+                   run(false, memory, pad_s, false).detach(), tol, tol,
+                   "cross-attention");
+      // A prompt of L tokens in segments, then steps from its state.
+      torch::NoGradGuard no_grad;
+      auto tokens = torch::randn({N, L + 3, E}, opts);
+      auto whole = m->make_kv_cache(N, L + 3);
+      auto segmented = m->make_kv_cache(N, L + 3);
+      {
+        torch::AutoGradMode grad(true);
+        m->forward_cached(tokens.narrow(1, 0, L), whole);
+      }
+      {
+        mha::detail::SegmentRowsForTests rows(64);
+        m->forward_cached(tokens.narrow(1, 0, L), segmented);
+      }
+      expect_close(segmented.kv_state(), whole.kv_state(), tol, tol,
+                   "state after the prompt");
+      for (int64_t t = L; t < L + 3; ++t) {
+        expect_close(
+            std::get<0>(m->forward_cached(tokens.narrow(1, t, 1), segmented)),
+            std::get<0>(m->forward_cached(tokens.narrow(1, t, 1), whole)), tol,
+            tol, "step at " + std::to_string(t));
+      }
+    }
+  }
+}
+
+// mha::linear_attention by segments equals its whole form: causal (S > L:
+// later keys never seen) and not, broadcast leading dims.
+TEST_F(LinearAttentionTest, InferenceBySegmentsEqualsWhole) {
+  auto q = torch::randn({2, 3, 150, 8}, kDouble);
+  auto k = torch::randn({1, 3, 170, 8}, kDouble);
+  auto v = torch::randn({2, 1, 170, 5}, kDouble);
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "non-causal");
+    auto whole = mha::linear_attention(q, k, v, causal);
+    torch::NoGradGuard no_grad;
+    mha::detail::SegmentRowsForTests rows(64);
+    int calls = 0;
+    auto segmented = mha::linear_attention(q, k, v, causal,
+                                           [&calls](const torch::Tensor& x) {
+                                             ++calls;
+                                             return mha::elu_feature_map(x);
+                                           });
+    EXPECT_EQ(calls, 6);  // 3 segments of queries and of keys
+    expect_close(segmented, whole, 1e-12, 1e-12, "output");
+  }
+}
+
+// ---------------------------------------------------------------------------
 // CUDA: the same results as on the CPU (skipped without a GPU).
 
 TEST_F(LinearAttentionModuleTest, MatchesCpu_CUDA) {

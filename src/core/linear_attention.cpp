@@ -11,6 +11,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -416,6 +417,66 @@ torch::Tensor causal_linear_attention_aten(
   return torch::cat(parts, -2);  // (..., T, Dv)
 }
 
+namespace {
+std::atomic<int64_t> segment_rows_for_tests{0};
+}  // namespace
+
+SegmentRowsForTests::SegmentRowsForTests(int64_t rows) {
+  segment_rows_for_tests = rows;
+}
+SegmentRowsForTests::~SegmentRowsForTests() { segment_rows_for_tests = 0; }
+
+int64_t segment_rows(int64_t row_bytes, int64_t block) {
+  const int64_t forced = segment_rows_for_tests.load();
+  if (forced > 0) {
+    return forced;
+  }
+  const int64_t rows = kSegmentBytes / std::max<int64_t>(1, row_bytes);
+  return std::max<int64_t>(1, rows / block) * block;
+}
+
+torch::Tensor linear_attention_by_segments(
+    const SegmentFeatures& queries, const SegmentFeatures& keys,
+    const torch::Tensor& values, int64_t L, bool causal, const LinearSums& sums,
+    int64_t rows, int64_t block, LinearSums* sums_out) {
+  const int64_t S = values.size(-2);
+  TORCH_INTERNAL_ASSERT(rows > 0 && L > 0 && S > 0 && (!causal || S >= L),
+                        "linear_attention_by_segments: ", rows, " rows, L ", L,
+                        ", S ", S, causal ? ", causal" : "");
+  torch::Tensor out;  // (..., L, Dv), allocated by the first segment
+  const auto write = [&](int64_t begin, const torch::Tensor& part) {
+    if (!out.defined()) {
+      auto sizes = part.sizes().vec();
+      sizes[sizes.size() - 2] = L;
+      out = torch::empty(sizes, part.options());
+    }
+    out.narrow(-2, begin, part.size(-2)).copy_(part);
+  };
+  LinearSums carry = sums;
+  if (causal) {
+    for (int64_t begin = 0; begin < L; begin += rows) {
+      const int64_t n = std::min(rows, L - begin);
+      LinearSums next;
+      write(begin, causal_linear_attention(queries(begin, n), keys(begin, n),
+                                           values.narrow(-2, begin, n), carry,
+                                           block, &next));
+      carry = std::move(next);
+    }
+  } else {
+    for (int64_t begin = 0; begin < S; begin += rows) {
+      const int64_t n = std::min(rows, S - begin);
+      carry = add_keys(carry, keys(begin, n), values.narrow(-2, begin, n));
+    }
+    for (int64_t begin = 0; begin < L; begin += rows) {
+      write(begin, read_sums(queries(begin, std::min(rows, L - begin)), carry));
+    }
+  }
+  if (sums_out != nullptr) {
+    *sums_out = carry;
+  }
+  return out;
+}
+
 torch::Tensor favor_exponents(const torch::Tensor& x,
                               const torch::Tensor& random_features) {
   const double m = static_cast<double>(random_features.size(0));
@@ -504,43 +565,60 @@ torch::Tensor linear_attention(const torch::Tensor& query,
 
   const FeatureMap& phi =
       feature_map ? feature_map : FeatureMap(elu_feature_map);
-  auto phi_q = phi(query);  // (..., L, F)
-  auto phi_k = phi(key);    // (..., S, F)
-  const auto check_features = [&](const torch::Tensor& f,
-                                  const torch::Tensor& x, const char* name) {
-    TORCH_CHECK(f.defined() && f.dim() == x.dim() &&
-                    f.sizes().slice(0, x.dim() - 1) ==
-                        x.sizes().slice(0, x.dim() - 1) &&
-                    f.scalar_type() == x.scalar_type() &&
-                    f.device() == x.device(),
+  const int64_t L = query.size(-2);
+  const int64_t S = key.size(-2);
+  int64_t features = -1;  // F: the same for every row mapped
+  // φ of rows [begin, begin + length) of x (..., T, D), checked.
+  const auto map_rows = [&](const torch::Tensor& x, int64_t begin,
+                            int64_t length, const char* name) {
+    const auto rows = x.narrow(-2, begin, length);
+    auto f = phi(rows);  // (..., length, F)
+    TORCH_CHECK(f.defined() && f.dim() == rows.dim() &&
+                    f.sizes().slice(0, rows.dim() - 1) ==
+                        rows.sizes().slice(0, rows.dim() - 1) &&
+                    f.scalar_type() == rows.scalar_type() &&
+                    f.device() == rows.device(),
                 "linear_attention: feature_map must map ", name,
                 " (..., T, D) to (..., T, F) of its dtype and device, but "
                 "mapped ",
-                x.sizes(), " ", x.scalar_type(), " to ",
+                rows.sizes(), " ", rows.scalar_type(), " to ",
                 f.defined() ? f.sizes() : torch::IntArrayRef{}, " ",
-                f.defined() ? f.scalar_type() : x.scalar_type());
+                f.defined() ? f.scalar_type() : rows.scalar_type());
+    TORCH_CHECK(features < 0 || f.size(-1) == features,
+                "linear_attention: feature_map must give query and key the "
+                "same number of features, but gave ",
+                features, " and ", f.size(-1));
+    features = f.size(-1);
+    return detail::Features{f, /*log=*/false};
   };
-  check_features(phi_q, query, "query");
-  check_features(phi_k, key, "key");
-  TORCH_CHECK(phi_q.size(-1) == phi_k.size(-1),
-              "linear_attention: feature_map must give query and key the same "
-              "number of features, but gave ",
-              phi_q.size(-1), " and ", phi_k.size(-1));
-
-  const detail::Features queries{phi_q, /*log=*/false};
-  const detail::Features keys{phi_k, /*log=*/false};
+  const int64_t block =
+      detail::causal_block_length(query.size(-1), value.size(-1));
+  // Inference: the features a segment at a time, as the module's kinds.
+  int64_t items = 1;  // rows of features per position: query's leading dims
+  for (const auto n : query.sizes().slice(0, query.dim() - 2)) {
+    items *= n;
+  }
+  const int64_t rows = detail::segment_rows(
+      items * query.size(-1) * static_cast<int64_t>(query.element_size()),
+      block);  // elu(x) + 1: F = D; a custom φ's F may differ
+  if (!torch::GradMode::is_enabled() && S > 0 && (!is_causal || S >= L) &&
+      std::max(L, S) > rows) {
+    return detail::linear_attention_by_segments(
+        [&](int64_t b, int64_t n) { return map_rows(query, b, n, "query"); },
+        [&](int64_t b, int64_t n) { return map_rows(key, b, n, "key"); }, value,
+        L, is_causal, {}, rows, block);
+  }
+  const auto queries = map_rows(query, 0, L, "query");  // (..., L, F)
+  const auto keys = map_rows(key, 0, S, "key");         // (..., S, F)
   if (!is_causal) {
     return detail::read_sums(queries, detail::add_keys({}, keys, value));
   }
   // Top-left alignment: query i sees keys j <= i, so keys from L on are
   // never seen and queries from S on see every key (zero-feature padding).
-  const int64_t L = query.size(-2);
-  const int64_t S = key.size(-2);
+  const auto& phi_k = keys.values;
   auto k = S >= L ? phi_k.narrow(-2, 0, L) : detail::pad_rows(phi_k, L);
   auto v = S >= L ? value.narrow(-2, 0, L) : detail::pad_rows(value, L);
-  return detail::causal_linear_attention(
-      queries, {k, false}, v, {},
-      detail::causal_block_length(phi_q.size(-1), value.size(-1)));
+  return detail::causal_linear_attention(queries, {k, false}, v, {}, block);
 }
 
 torch::Tensor orthogonal_random_features(int64_t nb_features, int64_t dim,

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace mha::detail {
 
@@ -74,6 +75,50 @@ torch::Tensor causal_linear_attention(const Features& queries,
 torch::Tensor causal_linear_attention_aten(
     const Features& queries, const Features& keys, const torch::Tensor& values,
     const LinearSums& sums, int64_t block, LinearSums* sums_out = nullptr);
+
+/// The features of rows [begin, begin + length) of queries or keys, made
+/// when a segment needs them (linear_attention_by_segments).
+using SegmentFeatures = std::function<Features(int64_t begin, int64_t length)>;
+
+/// The most memory one segment's query features take in
+/// linear_attention_by_segments (segment_rows): 8 MiB, 1920 rows of 4
+/// heads of the Performer's 266 features at D = 64 in float32.
+constexpr int64_t kSegmentBytes = int64_t{8} << 20;
+
+/// The rows of a segment whose features take `row_bytes` per row: as many
+/// as keep them within kSegmentBytes, a multiple of `block`, at least one
+/// block (SegmentRowsForTests sets them).
+int64_t segment_rows(int64_t row_bytes, int64_t block);
+
+/// For tests: while an instance lives (on any thread), segment_rows gives
+/// `rows` (a multiple of the block), so that short sequences take several
+/// segments.
+class SegmentRowsForTests {
+ public:
+  explicit SegmentRowsForTests(int64_t rows);
+  ~SegmentRowsForTests();
+  SegmentRowsForTests(const SegmentRowsForTests&) = delete;
+  SegmentRowsForTests& operator=(const SegmentRowsForTests&) = delete;
+};
+
+/// Linear attention for inference, the features made `rows` rows at a
+/// time: the same result as the whole sequence's features at once (to
+/// rounding), with memory for one segment's features instead of (..., L,
+/// F) of each (at L = 64k, 4 heads, the Performer's 266 features, float32:
+/// 8 MiB instead of 1.1 GB of exponents and features). `queries(b, n)` and
+/// `keys(b, n)` give the features of rows b..b+n-1 (both plain or both
+/// log), values (..., S, Dv). Causal (S >= L; key rows from L on are never
+/// seen): causal_linear_attention segment after segment, the sums carried
+/// (`rows` a multiple of `block`, so the blocks are the whole sequence's).
+/// Non-causal: add_keys segment after segment, then read_sums segment
+/// after segment (S >= 1). Starts from `sums` (may be empty); `sums_out`
+/// receives the sums after all keys. Returns (..., L, Dv). For calls
+/// without autograd: a graph through the carried sums would take the
+/// batched ATen form.
+torch::Tensor linear_attention_by_segments(
+    const SegmentFeatures& queries, const SegmentFeatures& keys,
+    const torch::Tensor& values, int64_t L, bool causal, const LinearSums& sums,
+    int64_t rows, int64_t block, LinearSums* sums_out = nullptr);
 
 /// The causal products of linear attention, walked block by block on the
 /// CPU (src/core/linear_attention_kernel.cpp): for each leading item n,

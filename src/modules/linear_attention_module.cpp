@@ -123,6 +123,19 @@ struct HeadsResult {
   torch::Tensor weights;
 };
 
+/// The rows of an inference segment of kLinear / kPerformer for a batch of
+/// N (segment_rows): its query features (N, H, rows, F) within
+/// kSegmentBytes, F the Performer's m or D (elu(x) + 1; a custom φ's F may
+/// differ).
+int64_t inference_rows(const MultiHeadAttentionImpl& m, int64_t N,
+                       int64_t element_size) {
+  const int64_t F = m.options.attention_kind() == AttentionKind::kPerformer
+                        ? m.random_features.size(0)
+                        : m.head_dim;
+  return segment_rows(N * m.options.num_heads() * F * element_size,
+                      causal_block_length(F, m.head_dim));
+}
+
 /// kLinear / kPerformer over q (N, H, L, D), k, v (N, Hkv, S, D): the sums
 /// of linear attention, grown from `sums` (a decoding state or empty);
 /// `sums_out` receives the sums after the keys. padding: (N, S), bool
@@ -140,45 +153,76 @@ torch::Tensor attend_with_sums(const MultiHeadAttentionImpl& m,
   auto qg = q.reshape({N, Hkv, G, L, D});  // (N, Hkv, G, L, D)
   auto kg = k.unsqueeze(2);                // (N, Hkv, 1, S, D)
   auto vg = v.unsqueeze(2);                // (N, Hkv, 1, S, D)
-  Features queries, keys;  // (N, Hkv, G, L, F), (N, Hkv, 1, S, F)
-  if (o.attention_kind() == AttentionKind::kLinear) {
-    const FeatureMap& phi =
-        o.feature_map() ? o.feature_map() : FeatureMap(elu_feature_map);
-    queries = {phi(qg), /*log=*/false};
-    keys = {phi(kg), /*log=*/false};
-  } else {
-    // FAVOR+ approximates exp(q·k · scale): q and k scaled by sqrt(scale),
-    // D^(-1/4) by default (Choromanski et al., 2021, section 2.2).
-    const double root =
-        std::sqrt(o.scale().value_or(1.0 / std::sqrt(static_cast<double>(D))));
-    queries = {favor_exponents(qg * root, m.random_features), /*log=*/true};
-    keys = {favor_exponents(kg * root, m.random_features), /*log=*/true};
-  }
-  const auto& phi_q = queries.values;
-  TORCH_CHECK(phi_q.dim() == 5 && keys.values.dim() == 5 &&
-                  phi_q.size(3) == L && keys.values.size(3) == S &&
-                  phi_q.size(-1) == keys.values.size(-1),
-              "MultiHeadAttention: feature_map must map (..., T, D) to (..., "
-              "T, F), but mapped query heads ",
-              qg.sizes(), " to ", phi_q.sizes(), " and key heads ", kg.sizes(),
-              " to ", keys.values.sizes());
-  if (padding.defined()) {
-    auto p = padding.view({N, 1, 1, S, 1});  // (N, 1, 1, S, 1)
-    if (p.scalar_type() == torch::kBool) {
-      keys.values = keys.values.masked_fill(
-          p, keys.log ? -std::numeric_limits<double>::infinity() : 0.0);
+  // F: the Performer's m; for kLinear known once φ has mapped some rows
+  // (elu(x) + 1: D), and the same for every segment, queries and keys.
+  int64_t features_per_head = -1;
+  // The features of rows [begin, begin + length) of x (N, Hkv, G or 1, T,
+  // D), as FAVOR+'s exponents or φ; keys' padded rows zeroed (log: -inf)
+  // or weighted.
+  const auto features = [&](const torch::Tensor& x, int64_t begin,
+                            int64_t length, bool is_key) {
+    auto rows = x.narrow(3, begin, length);
+    Features f;
+    if (o.attention_kind() == AttentionKind::kLinear) {
+      const FeatureMap& phi =
+          o.feature_map() ? o.feature_map() : FeatureMap(elu_feature_map);
+      f = {phi(rows), /*log=*/false};
     } else {
-      keys.values = keys.log ? keys.values + p : keys.values * torch::exp(p);
+      // FAVOR+ approximates exp(q·k · scale): q and k scaled by sqrt(scale),
+      // D^(-1/4) by default (Choromanski et al., 2021, section 2.2).
+      const double root = std::sqrt(
+          o.scale().value_or(1.0 / std::sqrt(static_cast<double>(D))));
+      f = {favor_exponents(rows * root, m.random_features), /*log=*/true};
     }
+    TORCH_CHECK(
+        f.values.dim() == 5 && f.values.size(3) == length &&
+            (features_per_head < 0 || f.values.size(-1) == features_per_head),
+        "MultiHeadAttention: feature_map must map (..., T, D) to (..., "
+        "T, F), the same F for queries and keys, but mapped ",
+        is_key ? "key" : "query", " heads ", rows.sizes(), " to ",
+        f.values.sizes(),
+        features_per_head < 0
+            ? std::string()
+            : " (F = " + std::to_string(features_per_head) + " before)");
+    features_per_head = f.values.size(-1);
+    if (is_key && padding.defined()) {
+      auto p = padding.narrow(1, begin, length).view({N, 1, 1, length, 1});
+      if (p.scalar_type() == torch::kBool) {
+        f.values = f.values.masked_fill(
+            p, f.log ? -std::numeric_limits<double>::infinity() : 0.0);
+      } else {
+        f.values = f.log ? f.values + p : f.values * torch::exp(p);
+      }
+    }
+    return f;
+  };
+  const int64_t block =
+      causal_block_length(o.attention_kind() == AttentionKind::kPerformer
+                              ? m.random_features.size(0)
+                              : D,
+                          D);
+  // Inference: the features a segment at a time (at L = 64k, 4 heads, the
+  // Performer's 266 features: 8 MiB instead of 1.1 GB of fresh memory,
+  // whose page faults cost more than its arithmetic on this project's VM).
+  const int64_t rows =
+      inference_rows(m, N, static_cast<int64_t>(q.element_size()));
+  if (!torch::GradMode::is_enabled() && S > 0 && (!causal || S >= L) &&
+      std::max(L, S) > rows) {
+    return linear_attention_by_segments(
+               [&](int64_t b, int64_t n) { return features(qg, b, n, false); },
+               [&](int64_t b, int64_t n) { return features(kg, b, n, true); },
+               vg, L, causal, sums, rows, block, sums_out)
+        .reshape({N, H, L, D});  // (N, H, L, D)
   }
-  torch::Tensor out;  // (N, Hkv, G, L, D)
+  const auto queries = features(qg, 0, L, false);  // (N, Hkv, G, L, F)
+  const auto keys = features(kg, 0, S, true);      // (N, Hkv, 1, S, F)
+  torch::Tensor out;                               // (N, Hkv, G, L, D)
   if (causal) {
     const double fill =
         keys.log ? -std::numeric_limits<double>::infinity() : 0.0;
     const Features aligned{rows_for_causal(keys.values, L, fill), keys.log};
     out = causal_linear_attention(queries, aligned, rows_for_causal(vg, L),
-                                  sums, causal_block_length(phi_q.size(-1), D),
-                                  sums_out);
+                                  sums, block, sums_out);
   } else {
     auto all = add_keys(sums, keys, vg);
     out = read_sums(queries, all);
@@ -244,15 +288,19 @@ HeadsResult attend_heads(const MultiHeadAttentionImpl& m,
   return {attend_with_sums(m, q, k, v, padding, causal, {}, nullptr), {}};
 }
 
-/// out_proj of the heads (N, H, L, D) and the caller's layout (as forward's
+/// out_proj of the heads (N, H, L, D): (N, L, E).
+torch::Tensor out_projection(const MultiHeadAttentionImpl& m,
+                             const torch::Tensor& heads) {
+  auto merged = heads.transpose(1, 2).reshape(
+      {heads.size(0), heads.size(2), -1});  // (N, L, E)
+  return project(merged, m.out_proj->weight, m.out_proj->bias);
+}
+
+/// output (N, L, E) and weights in the caller's layout (as forward's
 /// attend_and_project).
-std::tuple<torch::Tensor, torch::Tensor> project_output(
-    const MultiHeadAttentionImpl& m, const HeadsResult& heads, bool batched) {
-  const auto& o = heads.output;  // (N, H, L, D)
-  auto merged = o.transpose(1, 2).reshape({o.size(0), o.size(2), -1});
-  auto output = project(merged, m.out_proj->weight,
-                        m.out_proj->bias);  // (N, L, E)
-  auto weights = heads.weights;
+std::tuple<torch::Tensor, torch::Tensor> in_caller_layout(
+    const MultiHeadAttentionImpl& m, torch::Tensor output,
+    torch::Tensor weights, bool batched) {
   if (!batched) {
     output = output.squeeze(0);  // (L, E)
     if (weights.defined()) {
@@ -262,6 +310,50 @@ std::tuple<torch::Tensor, torch::Tensor> project_output(
     output = output.transpose(0, 1);  // (L, N, E)
   }
   return {output, weights};
+}
+
+/// out_proj of the heads (N, H, L, D) and the caller's layout.
+std::tuple<torch::Tensor, torch::Tensor> project_output(
+    const MultiHeadAttentionImpl& m, const HeadsResult& heads, bool batched) {
+  return in_caller_layout(m, out_projection(m, heads.output), heads.weights,
+                          batched);
+}
+
+/// kLinear / kPerformer causal self-attention for inference, the whole
+/// forward a segment of rows at a time (inference_rows), the sums carried
+/// from one to the next as forward_cached carries them from call to call:
+/// only the output (N, L, E) is as long as the sequence, no projection,
+/// feature or head tensor is (at L = 64k, E = 256, 4 heads, the Performer's
+/// 266 features: about 1.5 GB of fresh memory less, whose page faults cost
+/// more than its arithmetic on this project's VM). x (N, L, E), padding
+/// (N, L) or undefined, positions (N, L) or undefined. Returns (N, L, E).
+torch::Tensor causal_forward_by_segments(const MultiHeadAttentionImpl& m,
+                                         const torch::Tensor& x,
+                                         const torch::Tensor& padding,
+                                         const torch::Tensor& positions) {
+  const int64_t N = x.size(0), L = x.size(1);
+  const int64_t rows = inference_rows(m, N, x.element_size());
+  auto output = torch::empty({N, L, m.options.embed_dim()}, x.options());
+  LinearSums sums;
+  for (int64_t begin = 0; begin < L; begin += rows) {
+    const int64_t n = std::min(rows, L - begin);
+    const auto segment = x.narrow(1, begin, n);  // (N, n, E)
+    auto p = project_inputs(m, segment, segment, segment,
+                            /*self_attention=*/true, /*key_is_value=*/true);
+    auto q = split_heads(p.q, m.options.num_heads());  // (N, H, n, D)
+    auto k = split_heads(p.k, m.num_kv_heads());       // (N, Hkv, n, D)
+    auto v = split_heads(p.v, m.num_kv_heads());       // (N, Hkv, n, D)
+    const auto at =
+        positions.defined() ? positions.narrow(1, begin, n) : torch::Tensor();
+    rotate_heads(m, q, k, at, at, begin);  // row t at at[n][t] or begin + t
+    LinearSums next;
+    auto heads = attend_with_sums(
+        m, q, k, v, padding.defined() ? padding.narrow(1, begin, n) : padding,
+        /*causal=*/true, sums, &next);
+    output.narrow(1, begin, n).copy_(out_projection(m, heads));
+    sums = std::move(next);
+  }
+  return output;
 }
 
 /// The options no linear-cost kind takes (they give keys positions or
@@ -423,6 +515,13 @@ std::tuple<torch::Tensor, torch::Tensor> linear_kind_forward(
               "but key and value were given");
   const auto at = positions_2d(positions, N, L, in.batched, in.query.device(),
                                who);  // (N, L) or undefined
+  if (keeps_sums(kind) && self_attention && is_causal &&
+      !torch::GradMode::is_enabled() &&
+      L > inference_rows(m, N, in.query.element_size())) {
+    return in_caller_layout(
+        m, causal_forward_by_segments(m, in.query, in.key_padding_mask, at), {},
+        in.batched);
+  }
   auto p = project_inputs(m, in.query, in.key, in.value, self_attention,
                           key_is_value);
   auto q = split_heads(p.q, m.options.num_heads());  // (N, H, L, D)
