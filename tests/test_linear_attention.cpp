@@ -1225,6 +1225,18 @@ TEST_F(LinearAttentionModuleTest, InferenceBySegmentsEqualsWhole) {
       expect_close(run(true, {}, pad, true, positions),
                    run(false, {}, pad, true, positions).detach(), tol, tol,
                    "positions");
+      {
+        c10::InferenceMode inference;  // grad mode off too
+        mha::detail::SegmentRowsForTests rows(64);
+        calls = 0;
+        auto out = std::get<0>(
+            m->forward(x, {}, {}, pad, false, {}, true, true, positions));
+        if (kind == AttentionKind::kLinear) {
+          EXPECT_EQ(calls, 6);
+        }
+        expect_close(out, run(true, {}, pad, true, positions), tol, tol,
+                     "InferenceMode");
+      }
       // Cross-attention (non-causal), S != L, padded memory.
       expect_close(run(true, memory, pad_s, false),
                    run(false, memory, pad_s, false).detach(), tol, tol,

@@ -80,9 +80,10 @@ torch::Tensor causal_linear_attention_aten(
 /// when a segment needs them (linear_attention_by_segments).
 using SegmentFeatures = std::function<Features(int64_t begin, int64_t length)>;
 
-/// The most memory one segment's query features take in
-/// linear_attention_by_segments (segment_rows): 8 MiB, 1920 rows of 4
-/// heads of the Performer's 266 features at D = 64 in float32.
+/// The most memory one segment's query features (and the module's
+/// in-projection) take in an inference segment (segment_rows): 8 MiB; in
+/// float32 at E = 256, 4 heads, 1088 rows of the Performer's 266 features,
+/// 2048 of linear attention's 64.
 constexpr int64_t kSegmentBytes = int64_t{8} << 20;
 
 /// The rows of a segment whose features take `row_bytes` per row: as many
@@ -105,8 +106,8 @@ class SegmentRowsForTests {
 /// time: the same result as the whole sequence's features at once (to
 /// rounding), with memory for one segment's features instead of (..., L,
 /// F) of each (at L = 64k, 4 heads, the Performer's 266 features, float32:
-/// 8 MiB instead of 1.1 GB of exponents and features). `queries(b, n)` and
-/// `keys(b, n)` give the features of rows b..b+n-1 (both plain or both
+/// under 8 MiB instead of 1.1 GB of exponents and features). `queries(b, n)`
+/// and `keys(b, n)` give the features of rows b..b+n-1 (both plain or both
 /// log), values (..., S, Dv). Causal (S >= L; key rows from L on are never
 /// seen): causal_linear_attention segment after segment, the sums carried
 /// (`rows` a multiple of `block`, so the blocks are the whole sequence's).

@@ -124,15 +124,16 @@ struct HeadsResult {
 };
 
 /// The rows of an inference segment of kLinear / kPerformer for a batch of
-/// N (segment_rows): its query features (N, H, rows, F) within
-/// kSegmentBytes, F the Performer's m or D (elu(x) + 1; a custom φ's F may
-/// differ).
+/// N (segment_rows): its query features (N, H, rows, F) and in-projection
+/// (N, rows, 3E) together within kSegmentBytes, F the Performer's m or D
+/// (elu(x) + 1; a custom φ's F may differ).
 int64_t inference_rows(const MultiHeadAttentionImpl& m, int64_t N,
                        int64_t element_size) {
   const int64_t F = m.options.attention_kind() == AttentionKind::kPerformer
                         ? m.random_features.size(0)
                         : m.head_dim;
-  return segment_rows(N * m.options.num_heads() * F * element_size,
+  const int64_t per_row = m.options.num_heads() * F + 3 * m.options.embed_dim();
+  return segment_rows(N * per_row * element_size,
                       causal_block_length(F, m.head_dim));
 }
 
@@ -202,7 +203,7 @@ torch::Tensor attend_with_sums(const MultiHeadAttentionImpl& m,
                               : D,
                           D);
   // Inference: the features a segment at a time (at L = 64k, 4 heads, the
-  // Performer's 266 features: 8 MiB instead of 1.1 GB of fresh memory,
+  // Performer's 266 features: under 8 MiB instead of 1.1 GB of fresh memory,
   // whose page faults cost more than its arithmetic on this project's VM).
   const int64_t rows =
       inference_rows(m, N, static_cast<int64_t>(q.element_size()));
