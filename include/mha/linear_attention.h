@@ -78,7 +78,11 @@ torch::Tensor elu_feature_map(const torch::Tensor& x);
 /// memory per leading index: no (L, S) and no (L, F, Dv) tensor. On the
 /// CPU in float32 and float64 each leading index walks its blocks on one
 /// of ATen's threads, and backward is a walk of the same kind; elsewhere
-/// the blocks run as batched ATen ops.
+/// the blocks run as batched ATen ops. Without autograd (GradMode off:
+/// torch::NoGradGuard, c10::InferenceMode) φ is applied a segment of rows
+/// at a time (at most 8 MiB of features per segment, the sums carried
+/// from one to the next), so the features of the whole sequence never
+/// exist at once; the result equals the whole form's to rounding.
 ///
 /// Args:
 ///   query: (..., L, D) floating (float32, float64, or a reduced type the

@@ -123,8 +123,11 @@ struct MultiHeadAttentionOptions {
   /// add_bias_kv, add_zero_attn, window or position_bias; kLinear and
   /// kPerformer take no dropout (there are no weights to drop). `scale`:
   /// kPerformer estimates exp(q·k · scale), kLinformer's softmax uses it,
-  /// kLinear has none (it must stay unset). Not in torch::nn. Checked by
-  /// reset().
+  /// kLinear has none (it must stay unset). Without autograd (GradMode
+  /// off), kLinear and kPerformer run causal self-attention a segment of
+  /// rows at a time, projections included, and make other calls' features
+  /// a segment at a time: only the output is as long as the sequence
+  /// (docs/linear.md). Not in torch::nn. Checked by reset().
   TORCH_ARG(AttentionKind, attention_kind) = AttentionKind::kSoftmax;
   /// kLinear: the feature map φ (mha::FeatureMap); empty (default):
   /// elu(x) + 1 (Katharopoulos et al., 2020).

@@ -123,18 +123,27 @@ struct HeadsResult {
   torch::Tensor weights;
 };
 
+/// F as far as known before φ runs: the Performer's m, or D (elu(x) + 1;
+/// a custom φ's F may differ).
+int64_t planned_features(const MultiHeadAttentionImpl& m) {
+  return m.options.attention_kind() == AttentionKind::kPerformer
+             ? m.random_features.size(0)
+             : m.head_dim;
+}
+
+/// The block length of kLinear / kPerformer's causal form.
+int64_t kind_block(const MultiHeadAttentionImpl& m) {
+  return causal_block_length(planned_features(m), m.head_dim);
+}
+
 /// The rows of an inference segment of kLinear / kPerformer for a batch of
 /// N (segment_rows): its query features (N, H, rows, F) and in-projection
-/// (N, rows, 3E) together within kSegmentBytes, F the Performer's m or D
-/// (elu(x) + 1; a custom φ's F may differ).
+/// (N, rows, 3E) together within kSegmentBytes (F: planned_features).
 int64_t inference_rows(const MultiHeadAttentionImpl& m, int64_t N,
                        int64_t element_size) {
-  const int64_t F = m.options.attention_kind() == AttentionKind::kPerformer
-                        ? m.random_features.size(0)
-                        : m.head_dim;
-  const int64_t per_row = m.options.num_heads() * F + 3 * m.options.embed_dim();
-  return segment_rows(N * per_row * element_size,
-                      causal_block_length(F, m.head_dim));
+  const int64_t per_row =
+      m.options.num_heads() * planned_features(m) + 3 * m.options.embed_dim();
+  return segment_rows(N * per_row * element_size, kind_block(m));
 }
 
 /// kLinear / kPerformer over q (N, H, L, D), k, v (N, Hkv, S, D): the sums
@@ -197,11 +206,7 @@ torch::Tensor attend_with_sums(const MultiHeadAttentionImpl& m,
     }
     return f;
   };
-  const int64_t block =
-      causal_block_length(o.attention_kind() == AttentionKind::kPerformer
-                              ? m.random_features.size(0)
-                              : D,
-                          D);
+  const int64_t block = kind_block(m);
   // Inference: the features a segment at a time (at L = 64k, 4 heads, the
   // Performer's 266 features: under 8 MiB instead of 1.1 GB of fresh memory,
   // whose page faults cost more than its arithmetic on this project's VM).
