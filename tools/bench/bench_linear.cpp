@@ -253,17 +253,23 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
   // Decoding: one token after P positions, median of decode_steps steps.
   // Softmax's cache is filled with random keys and values (no attention
   // computed); the linear kinds' state by a causal prefill of P tokens.
+  // The steps are taken in rounds over every P and kind, the caches kept
+  // meanwhile: on this VM a step's time moves between levels (about 0.12
+  // and 0.19 ms for linear attention, at every P) every few seconds, and
+  // with each P's steps taken together that read as growth with P (x1.29,
+  // x1.32, x1.39 in three runs; alternating P = 1k and 64k in one program,
+  // the steps cost the same).
+  constexpr int kRounds = 4;
   fmt::print(
       "decoding one token (forward_cached, inference) after P cached "
-      "positions, ms/token, median of {} steps:\n{:>6} {:>10} {:>10} "
-      "{:>10}\n",
-      decode_steps, "P", "softmax", "linear", "performer");
+      "positions, ms/token, median of {} steps in {} rounds over every P:"
+      "\n{:>6} {:>10} {:>10} {:>10}\n",
+      decode_steps, kRounds, "P", "softmax", "linear", "performer");
   auto decode_rows = nlohmann::json::array();
   std::map<std::string, std::map<int64_t, double>> per_token;
   torch::NoGradGuard no_grad;
+  std::map<int64_t, std::vector<KVCache>> caches;  // P -> one per kind
   for (const auto P : cache_lengths) {
-    nlohmann::json row = {{"P", P}};
-    std::vector<std::string> cells;
     for (size_t i = 0; i < 3; ++i) {
       auto& kind = kinds[i];
       auto cache = kind.module->make_kv_cache(1, P + decode_steps);
@@ -274,19 +280,36 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
         cache.append(torch::randn({1, H, P, D}, options),
                      torch::randn({1, H, P, D}, options));
       }
-      std::vector<double> samples;
-      for (int step = 0; step < decode_steps; ++step) {
-        auto token = torch::randn({1, 1, E}, options);
-        samples.push_back(time_once(
-            [&] {
-              return Named{{"out", std::get<0>(kind.module->forward_cached(
-                                       token, cache))}};
-            },
-            settings.device));
+      caches[P].push_back(std::move(cache));
+    }
+  }
+  std::map<int64_t, std::vector<std::vector<double>>> samples;  // P, kind
+  for (int round = 0; round < kRounds; ++round) {
+    const int steps = decode_steps / kRounds + (round < decode_steps % kRounds);
+    for (const auto P : cache_lengths) {
+      samples[P].resize(3);
+      for (size_t i = 0; i < 3; ++i) {
+        auto& cache = caches[P][i];
+        for (int step = 0; step < steps; ++step) {
+          auto token = torch::randn({1, 1, E}, options);
+          samples[P][i].push_back(time_once(
+              [&] {
+                return Named{
+                    {"out", std::get<0>(kinds[i].module->forward_cached(
+                                token, cache))}};
+              },
+              settings.device));
+        }
       }
-      const double ms = median_of(samples);
-      per_token[kind.name][P] = ms;
-      row[kind.name + "_ms"] = ms;
+    }
+  }
+  for (const auto P : cache_lengths) {
+    nlohmann::json row = {{"P", P}};
+    std::vector<std::string> cells;
+    for (size_t i = 0; i < 3; ++i) {
+      const double ms = median_of(samples[P][i]);
+      per_token[kinds[i].name][P] = ms;
+      row[kinds[i].name + "_ms"] = ms;
       cells.push_back(fmt::format("{:.3f}", ms));
     }
     fmt::print("{:>6} {:>10} {:>10} {:>10}\n", P, cells[0], cells[1], cells[2]);
