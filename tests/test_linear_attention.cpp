@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -1226,7 +1227,10 @@ TEST_F(LinearAttentionModuleTest, InferenceBySegmentsEqualsWhole) {
                    run(false, {}, pad, true, positions).detach(), tol, tol,
                    "positions");
       {
-        c10::InferenceMode inference;  // grad mode off too
+        // Grad mode off too. On the heap: GCC 16 reports a false
+        // -Wmaybe-uninitialized inside LibTorch 2.14's InferenceMode when
+        // it is a local.
+        const auto inference = std::make_unique<c10::InferenceMode>();
         mha::detail::SegmentRowsForTests rows(64);
         calls = 0;
         auto out = std::get<0>(
