@@ -253,16 +253,19 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
   // Decoding: one token after P positions, median of decode_steps steps.
   // Softmax's cache is filled with random keys and values (no attention
   // computed); the linear kinds' state by a causal prefill of P tokens.
-  // The steps are taken in rounds over every P and kind, the caches kept
-  // meanwhile: on this VM a step's time moves between levels (about 0.12
-  // and 0.19 ms for linear attention, at every P) every few seconds, and
-  // with each P's steps taken together that read as growth with P (x1.29,
-  // x1.32, x1.39 in three runs; alternating P = 1k and 64k in one program,
-  // the steps cost the same).
+  // Each kind's steps are taken in rounds over every P, the caches kept
+  // meanwhile, after untimed steps at each P of a round: on this VM a
+  // step's time moves between levels (about 0.12 and 0.19 ms for linear
+  // attention, at every P) every few seconds, and the two or three steps
+  // of linear attention after softmax's at P = 64k (which streams its
+  // 128 MiB cache) took 0.16-0.61 ms. With each P's steps together, right
+  // after softmax's, both read as growth with P (x1.29-1.39 in four runs;
+  // alternating P = 1k and 64k in one program, the steps cost the same).
   constexpr int kRounds = 4;
   fmt::print(
       "decoding one token (forward_cached, inference) after P cached "
-      "positions, ms/token, median of {} steps in {} rounds over every P:"
+      "positions, ms/token, median of {} steps in {} rounds over every P "
+      "(after untimed ones):"
       "\n{:>6} {:>10} {:>10} {:>10}\n",
       decode_steps, kRounds, "P", "softmax", "linear", "performer");
   auto decode_rows = nlohmann::json::array();
@@ -272,7 +275,8 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
   for (const auto P : cache_lengths) {
     for (size_t i = 0; i < 3; ++i) {
       auto& kind = kinds[i];
-      auto cache = kind.module->make_kv_cache(1, P + decode_steps);
+      auto cache =
+          kind.module->make_kv_cache(1, P + kRounds + 3 + decode_steps);
       if (cache.is_recurrent()) {
         kind.module->forward_cached(torch::randn({1, P, E}, options), cache);
       } else {
@@ -284,12 +288,19 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
     }
   }
   std::map<int64_t, std::vector<std::vector<double>>> samples;  // P, kind
-  for (int round = 0; round < kRounds; ++round) {
-    const int steps = decode_steps / kRounds + (round < decode_steps % kRounds);
-    for (const auto P : cache_lengths) {
-      samples[P].resize(3);
-      for (size_t i = 0; i < 3; ++i) {
+  for (size_t i = 0; i < 3; ++i) {
+    for (int round = 0; round < kRounds; ++round) {
+      const int steps =
+          decode_steps / kRounds + (round < decode_steps % kRounds);
+      for (const auto P : cache_lengths) {
+        samples[P].resize(3);
         auto& cache = caches[P][i];
+        // Untimed: one, four at the kind's first (after another kind's).
+        const int untimed = round == 0 && P == cache_lengths.front() ? 4 : 1;
+        for (int step = 0; step < untimed; ++step) {
+          kinds[i].module->forward_cached(torch::randn({1, 1, E}, options),
+                                          cache);
+        }
         for (int step = 0; step < steps; ++step) {
           auto token = torch::randn({1, 1, E}, options);
           samples[P][i].push_back(time_once(
