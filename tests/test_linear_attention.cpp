@@ -1165,12 +1165,14 @@ TEST_F(LinearAttentionLinformerTest, NonCausalOnly) {
 }
 
 // ---------------------------------------------------------------------------
-// Inference by segments: without autograd the features are made a segment
-// of rows at a time, the sums carried (linear_attention_by_segments). Forced
-// to 64-row segments on L = 150 (a partial last segment), the results equal
-// the whole sequence's (autograd on: features at once), causal and not,
-// self- and cross-attention, padding, grouped heads, decoding on from the
-// state a segmented prompt left; a counting feature map shows the segments.
+// Inference by segments: without autograd the module runs causal
+// self-attention a segment of rows at a time (projections included) and
+// makes other calls' features a segment at a time, the sums carried
+// (linear_attention_by_segments). Forced to 64-row segments on L = 150 (a
+// partial last segment), the results equal the whole sequence's (autograd
+// on: all at once), causal and not, self- and cross-attention, padding,
+// grouped heads, rotary positions, InferenceMode, decoding on from the state
+// a segmented prompt left; a counting feature map shows the segments.
 
 TEST_F(LinearAttentionModuleTest, InferenceBySegmentsEqualsWhole) {
   const int64_t N = 2, E = 16, H = 4, L = 150, S = 130;
@@ -1223,9 +1225,9 @@ TEST_F(LinearAttentionModuleTest, InferenceBySegmentsEqualsWhole) {
         expect_close(segmented, run(false, {}, pad, causal).detach(), tol, tol,
                      "self-attention");
       }
-      expect_close(run(true, {}, pad, true, positions),
-                   run(false, {}, pad, true, positions).detach(), tol, tol,
-                   "positions");
+      const auto with_positions = run(false, {}, pad, true, positions).detach();
+      expect_close(run(true, {}, pad, true, positions), with_positions, tol,
+                   tol, "positions");
       {
         // Grad mode off too. On the heap: GCC 16 reports a false
         // -Wmaybe-uninitialized inside LibTorch 2.14's InferenceMode when
@@ -1238,8 +1240,7 @@ TEST_F(LinearAttentionModuleTest, InferenceBySegmentsEqualsWhole) {
         if (kind == AttentionKind::kLinear) {
           EXPECT_EQ(calls, 6);
         }
-        expect_close(out, run(true, {}, pad, true, positions), tol, tol,
-                     "InferenceMode");
+        expect_close(out, with_positions, tol, tol, "InferenceMode");
       }
       // Cross-attention (non-causal), S != L, padded memory.
       expect_close(run(true, memory, pad_s, false),
