@@ -258,9 +258,9 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
   // step's time moves between levels (about 0.12 and 0.19 ms for linear
   // attention, at every P) every few seconds, and the two or three steps
   // of linear attention after softmax's at P = 64k (which streams its
-  // 128 MiB cache) took 0.16-0.61 ms. With each P's steps together, right
-  // after softmax's, both read as growth with P (x1.29-1.39 in four runs;
-  // alternating P = 1k and 64k in one program, the steps cost the same).
+  // 128 MiB cache) took 0.16-0.61 ms. Timed right after softmax's steps,
+  // both read as growth with P (x1.29-1.39 in four runs; alternating P =
+  // 1k and 64k in one program, the steps cost the same).
   constexpr int kRounds = 4;
   fmt::print(
       "decoding one token (forward_cached, inference) after P cached "
