@@ -435,6 +435,11 @@ int64_t segment_rows(int64_t row_bytes, int64_t block) {
   return std::max<int64_t>(1, rows / block) * block;
 }
 
+bool by_segments(int64_t L, int64_t S, bool causal, int64_t rows) {
+  return !torch::GradMode::is_enabled() && S > 0 && (!causal || S >= L) &&
+         std::max(L, S) > rows;
+}
+
 torch::Tensor linear_attention_by_segments(
     const SegmentFeatures& queries, const SegmentFeatures& keys,
     const torch::Tensor& values, int64_t L, bool causal, const LinearSums& sums,
@@ -601,8 +606,7 @@ torch::Tensor linear_attention(const torch::Tensor& query,
   const int64_t rows = detail::segment_rows(
       items * query.size(-1) * static_cast<int64_t>(query.element_size()),
       block);  // elu(x) + 1: F = D; a custom φ's F may differ
-  if (!torch::GradMode::is_enabled() && S > 0 && (!is_causal || S >= L) &&
-      std::max(L, S) > rows) {
+  if (detail::by_segments(L, S, is_causal, rows)) {
     return detail::linear_attention_by_segments(
         [&](int64_t b, int64_t n) { return map_rows(query, b, n, "query"); },
         [&](int64_t b, int64_t n) { return map_rows(key, b, n, "key"); }, value,

@@ -102,6 +102,12 @@ class SegmentRowsForTests {
   SegmentRowsForTests& operator=(const SegmentRowsForTests&) = delete;
 };
 
+/// Whether a call of L queries and S keys takes
+/// linear_attention_by_segments with segments of `rows` rows: without
+/// autograd (GradMode off), with keys to read (S >= 1; causal: S >= L), and
+/// more rows than one segment.
+bool by_segments(int64_t L, int64_t S, bool causal, int64_t rows);
+
 /// Linear attention for inference, the features made `rows` rows at a
 /// time: the same result as the whole sequence's features at once (to
 /// rounding), with memory for one segment's features instead of (..., L,

@@ -212,8 +212,7 @@ torch::Tensor attend_with_sums(const MultiHeadAttentionImpl& m,
   // whose page faults cost more than its arithmetic on this project's VM).
   const int64_t rows =
       inference_rows(m, N, static_cast<int64_t>(q.element_size()));
-  if (!torch::GradMode::is_enabled() && S > 0 && (!causal || S >= L) &&
-      std::max(L, S) > rows) {
+  if (by_segments(L, S, causal, rows)) {
     return linear_attention_by_segments(
                [&](int64_t b, int64_t n) { return features(qg, b, n, false); },
                [&](int64_t b, int64_t n) { return features(kg, b, n, true); },
@@ -332,14 +331,14 @@ std::tuple<torch::Tensor, torch::Tensor> project_output(
 /// feature or head tensor is (at L = 64k, E = 256, 4 heads, the Performer's
 /// 266 features: the forward's peak 1430 -> 102 MiB, and the page faults
 /// of that memory cost more than its arithmetic on this project's VM; see
-/// docs/linear.md). x (N, L, E), padding
-/// (N, L) or undefined, positions (N, L) or undefined. Returns (N, L, E).
+/// docs/linear.md). x (N, L, E), padding (N, L) or undefined, positions
+/// (N, L) or undefined, rows per segment. Returns (N, L, E).
 torch::Tensor causal_forward_by_segments(const MultiHeadAttentionImpl& m,
                                          const torch::Tensor& x,
                                          const torch::Tensor& padding,
-                                         const torch::Tensor& positions) {
+                                         const torch::Tensor& positions,
+                                         int64_t rows) {
   const int64_t N = x.size(0), L = x.size(1);
-  const int64_t rows = inference_rows(m, N, x.element_size());
   auto output = torch::empty({N, L, m.options.embed_dim()}, x.options());
   LinearSums sums;
   for (int64_t begin = 0; begin < L; begin += rows) {
@@ -522,12 +521,14 @@ std::tuple<torch::Tensor, torch::Tensor> linear_kind_forward(
               "but key and value were given");
   const auto at = positions_2d(positions, N, L, in.batched, in.query.device(),
                                who);  // (N, L) or undefined
-  if (keeps_sums(kind) && self_attention && is_causal &&
-      !torch::GradMode::is_enabled() &&
-      L > inference_rows(m, N, in.query.element_size())) {
-    return in_caller_layout(
-        m, causal_forward_by_segments(m, in.query, in.key_padding_mask, at), {},
-        in.batched);
+  if (keeps_sums(kind) && self_attention && is_causal) {
+    const int64_t rows = inference_rows(m, N, in.query.element_size());
+    if (by_segments(L, L, /*causal=*/true, rows)) {
+      return in_caller_layout(m,
+                              causal_forward_by_segments(
+                                  m, in.query, in.key_padding_mask, at, rows),
+                              {}, in.batched);
+    }
   }
   auto p = project_inputs(m, in.query, in.key, in.value, self_attention,
                           key_is_value);

@@ -288,12 +288,14 @@ nlohmann::json linear_table(bool quick, const Settings& settings) {
     }
   }
   std::map<int64_t, std::vector<std::vector<double>>> samples;  // P, kind
+  for (const auto P : cache_lengths) {
+    samples[P].resize(3);
+  }
   for (size_t i = 0; i < 3; ++i) {
     for (int round = 0; round < kRounds; ++round) {
       const int steps =
           decode_steps / kRounds + (round < decode_steps % kRounds);
       for (const auto P : cache_lengths) {
-        samples[P].resize(3);
         auto& cache = caches[P][i];
         // Untimed: one, four at the kind's first (after another kind's).
         const int untimed = round == 0 && P == cache_lengths.front() ? 4 : 1;
