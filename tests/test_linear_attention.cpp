@@ -479,7 +479,9 @@ TEST_F(LinearAttentionPerformerTest, CausalFormAcrossGroupsOfBlocks) {
 
 // The CPU's walk (causal_products, one head per thread) and the ATen form
 // (every block's sums as batched tensors) are two computations of one
-// thing: equal in float64 in values, gradients and the sums after, with
+// thing: equal in float64 in values, the sums after and the gradients
+// (of the features, the values and the starting sums, from a loss of the
+// rows and the sums after), with
 // plain and log features, starting sums or none, a partial last block,
 // keys shared by two query heads, one row and blocks longer than T.
 TEST_F(LinearAttentionPerformerTest, WalkEqualsBatchedForm) {
@@ -502,6 +504,9 @@ TEST_F(LinearAttentionPerformerTest, WalkEqualsBatchedForm) {
           sums = mha::detail::add_keys(
               {}, {log ? before : mha::elu_feature_map(before), log},
               torch::randn({2, 2, 1, 7, 4}, kDouble));
+          // Leaves: the gradients of the starting sums are compared too.
+          sums.kv = sums.kv.detach().requires_grad_();
+          sums.k = sums.k.detach().requires_grad_();
         }
         const int64_t block = T == 40 ? 64 : 16;
         LinearSums walk_sums, aten_sums;
@@ -516,10 +521,23 @@ TEST_F(LinearAttentionPerformerTest, WalkEqualsBatchedForm) {
           expect_close(walk_sums.offset, aten_sums.offset, 0, 0,
                        what + " offset");
         }
+        // A loss of the rows and of the sums after (as the segment before
+        // another one when training by segments).
         auto g = torch::randn_like(walk);
-        auto walk_grads = torch::autograd::grad({(walk * g).sum()}, {q, k, v});
-        auto aten_grads = torch::autograd::grad({(aten * g).sum()}, {q, k, v});
-        for (size_t i = 0; i < 3; ++i) {
+        auto g_kv = torch::randn_like(walk_sums.kv);
+        auto g_k = torch::randn_like(walk_sums.k);
+        const auto loss = [&](const torch::Tensor& out, const LinearSums& s) {
+          return (out * g).sum() + (s.kv * g_kv).sum() + (s.k * g_k).sum();
+        };
+        std::vector<torch::Tensor> inputs{q, k, v};
+        if (with_sums) {
+          inputs.insert(inputs.end(), {sums.kv, sums.k});
+        }
+        auto walk_grads =
+            torch::autograd::grad({loss(walk, walk_sums)}, inputs);
+        auto aten_grads =
+            torch::autograd::grad({loss(aten, aten_sums)}, inputs);
+        for (size_t i = 0; i < inputs.size(); ++i) {
           expect_close(walk_grads[i], aten_grads[i], 1e-12, 1e-11,
                        what + " gradient " + std::to_string(i));
         }

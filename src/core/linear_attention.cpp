@@ -370,12 +370,9 @@ torch::Tensor causal_linear_attention(const Features& queries,
                                       const torch::Tensor& values,
                                       const LinearSums& sums, int64_t block,
                                       LinearSums* sums_out) {
-  const bool sums_with_graph =
-      !sums.empty() && torch::GradMode::is_enabled() &&
-      (sums.kv.requires_grad() || sums.k.requires_grad());
   if (queries.values.size(-2) > 0 && causal_products_apply(values) &&
       causal_products_apply(queries.values) &&
-      causal_products_apply(keys.values) && !sums_with_graph) {
+      causal_products_apply(keys.values)) {
     return causal_walk(queries, keys, values, sums, block, sums_out);
   }
   return causal_linear_attention_aten(queries, keys, values, sums, block,

@@ -57,10 +57,10 @@ torch::Tensor read_sums(const Features& queries, const LinearSums& sums);
 /// inside a block the masked (C, C) product, across blocks the running
 /// sums (log features: offsets of each block the running maximum up to
 /// its end). Returns (..., T, Dv); when `sums_out` is given, it receives
-/// the sums after all T keys (the decoding state). On the CPU in float32
-/// and float64 (unless `sums` carry a graph) each head walks its blocks on
-/// one thread (causal_products), the sums in and out carrying no graph;
-/// otherwise causal_linear_attention_aten.
+/// the sums after all T keys (the decoding state). Differentiable in the
+/// features, the values and both sums. On the CPU in float32 and float64
+/// each head walks its blocks on one thread (causal_products); otherwise
+/// causal_linear_attention_aten.
 torch::Tensor causal_linear_attention(const Features& queries,
                                       const Features& keys,
                                       const torch::Tensor& values,
@@ -131,8 +131,9 @@ torch::Tensor linear_attention_by_segments(
 /// CPU (src/core/linear_attention_kernel.cpp): for each leading item n,
 ///   forward: out_t = Σ_{j <= t} (a_t · D(t, j) b_j) c_jᵀ,
 ///   reverse: out_t = Σ_{j >= t} (a_t · D(j, t) b_j) c_jᵀ,
-/// plus, forward, a_tᵀ D(t, start) state_in. D(t, j) is the product of the
-/// decay factors of the blocks after j's up to t's (1 inside a block),
+/// plus a_tᵀ D(t, start) state_in (forward) or a_tᵀ D(end, t) state_in
+/// (reverse, the sums at the last block's offsets). D(t, j) is the product of
+/// the decay factors of the blocks after j's up to t's (1 inside a block),
 /// scaling the sums' rows (Fa, decay_rows) or columns (Fc): the log
 /// features' offsets moving from block to block (Features). With a = φ(q),
 /// b = φ(k), c = [v, 1] it is causal linear attention's numerator and
@@ -148,7 +149,7 @@ struct CausalProducts {
   bool decay_rows = true;  // decay scales the sums' rows (Fa), else columns
   bool reverse = false;
   int64_t block = 64;      // C
-  torch::Tensor state_in;  // (N, Fa, Fc) starting sums (forward); or none
+  torch::Tensor state_in;  // (N, Fa, Fc) starting sums; or none
   bool normalize = false;  // forward only: out (N, T, Fc - 1) = the first
                            // Fc - 1 columns over the last (0 where it is 0)
 };
@@ -167,9 +168,10 @@ torch::Tensor causal_products(const CausalProducts& p, torch::Tensor* state_out,
 /// 0) from q = φ(q) (N, T, F), k = φ(k) (N, T, F) and v (..., T, E) (any
 /// layout, N = the product of its leading dims; copied once), the
 /// normalized forward walk of causal_products(q, k, [v, 1]), as a
-/// differentiable function of q, k and v. decay (N, B, F) and state_in
-/// (N, F, E + 1) (the sums [kv, k]) are constants (may be undefined), and
-/// so are the sums `state_out` receives (N, F, E + 1).
+/// differentiable function of q, k, v and state_in (N, F, E + 1) (the
+/// starting sums [kv, k]; may be undefined), and so are the sums after
+/// that `state_out` receives (N, F, E + 1). decay (N, B, F) is a constant
+/// (may be undefined).
 torch::Tensor causal_linear_products(const torch::Tensor& q,
                                      const torch::Tensor& k,
                                      const torch::Tensor& v,

@@ -230,10 +230,12 @@ torch::Tensor products_gradient(const torch::Tensor& g_in,
 
 /// Autograd wrapper of causal linear attention's walk: y = num / den of
 /// the forward causal_products(q, k, [v, 1]) (normalized in the walk),
-/// with the sums after it as a second, not differentiable output (the
-/// decoding state holds no graph). Backward walks three times
-/// (CausalProducts' docstring has the equations); the decay factors and
-/// starting sums are constants.
+/// and the sums after it, both differentiable (a segment's sums carry
+/// gradients to the segment before it when training by segments). Backward
+/// walks three times (CausalProducts' docstring has the equations); the
+/// gradient of the sums after enters the two reverse walks as their
+/// starting sums, and the walk for dv gives that of the starting sums as
+/// its sums after. The decay factors are constants.
 class CausalProductsFunction
     : public torch::autograd::Function<CausalProductsFunction> {
  public:
@@ -268,7 +270,6 @@ class CausalProductsFunction
     ctx->saved_data["state_in"] = state_in_or_empty;
     ctx->saved_data["block"] = block;
     ctx->saved_data["value_sizes"] = v.sizes();
-    ctx->mark_non_differentiable({state});
     return {y, state};
   }
 
@@ -291,14 +292,18 @@ class CausalProductsFunction
     const auto decay = tensor_of("decay");
     const auto state_in = tensor_of("state_in");
     const int64_t block = ctx->saved_data.at("block").toInt();
-    const int64_t E = saved[3].size(2);
-    if (!grads[0].defined()) {  // the rows unused: nothing flows back
+    const auto& y = saved[3];
+    const int64_t N = y.size(0), T = y.size(1), E = y.size(2);
+    // The gradient of the sums after the walk (N, F, E + 1), or none.
+    const auto& g_state = grads[1];
+    if (!grads[0].defined() && !g_state.defined()) {
       return {torch::Tensor(), torch::Tensor(), torch::Tensor(),
               torch::Tensor(), torch::Tensor(), torch::Tensor()};
     }
     // The gradient of [num, den] (N, T, E + 1).
-    const auto g = products_gradient(grads[0], saved[3], saved[4]);
-    torch::Tensor dq, dk, dv;
+    const auto g = grads[0].defined() ? products_gradient(grads[0], y, saved[4])
+                                      : at::zeros({N, T, E + 1}, y.options());
+    torch::Tensor dq, dk, dv, d_state_in;
     if (ctx->needs_input_grad(0)) {
       // dq_t = Σ_{j <= t} (g_t · v1_j) D(t, j) k_j, and g_t through the
       // starting sums: a forward walk with sums Σ v1 kᵀ (E + 1, F).
@@ -308,21 +313,41 @@ class CausalProductsFunction
           nullptr);
     }
     if (ctx->needs_input_grad(1)) {
-      // dk_j = Σ_{t >= j} (v1_j · g_t) D(t, j) q_t: from the end.
-      dk = causal_products({v1, g, q, decay, /*decay_rows=*/false,
-                            /*reverse=*/true, block, torch::Tensor()},
-                           nullptr);
+      // dk_j = Σ_{t >= j} (v1_j · g_t) D(t, j) q_t + D(end, j) (G v1_j),
+      // G the gradient of the sums after: from the end, starting from Gᵀ.
+      dk = causal_products(
+          {v1, g, q, decay, /*decay_rows=*/false,
+           /*reverse=*/true, block,
+           g_state.defined() ? g_state.transpose(1, 2) : torch::Tensor()},
+          nullptr);
     }
-    if (ctx->needs_input_grad(2)) {
-      // dv_j = Σ_{t >= j} (q_t · D(t, j) k_j) g_t over v's E columns (v1's
-      // last is constant): from the end.
-      dv = causal_products(
-               {k, q, g.narrow(-1, 0, E), decay,
-                /*decay_rows=*/true, /*reverse=*/true, block, torch::Tensor()},
-               nullptr)
-               .view(ctx->saved_data.at("value_sizes").toIntVector());
+    const bool state_grad = state_in.defined() && ctx->needs_input_grad(4);
+    if (ctx->needs_input_grad(2) || state_grad) {
+      // dv_j = Σ_{t >= j} (q_t · D(t, j) k_j) g_t + (D(end, j) k_j)ᵀ G over
+      // v's E columns (v1's last is constant): from the end, starting from
+      // G. Its sums after, Σ_t D(t, 0) q_t g_tᵀ + D(end, 0) G, times the
+      // first block's decay, are the starting sums' gradient (all E + 1
+      // columns: the walk takes g's last one only then).
+      torch::Tensor walked;
+      const auto columns = state_grad ? g : g.narrow(-1, 0, E);
+      auto start = g_state;
+      if (start.defined() && !state_grad) {
+        start = start.narrow(-1, 0, E);
+      }
+      auto out =
+          causal_products({k, q, columns, decay,
+                           /*decay_rows=*/true, /*reverse=*/true, block, start},
+                          state_grad ? &walked : nullptr);
+      if (ctx->needs_input_grad(2)) {
+        dv = out.narrow(-1, 0, E).reshape(
+            ctx->saved_data.at("value_sizes").toIntVector());
+      }
+      if (state_grad) {
+        d_state_in = decay.defined() ? walked * decay.select(1, 0).unsqueeze(-1)
+                                     : walked;
+      }
     }
-    return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dq, dk, dv, torch::Tensor(), d_state_in, torch::Tensor()};
   }
 };
 
