@@ -1289,6 +1289,109 @@ TEST_F(LinearAttentionModuleTest, InferenceBySegmentsEqualsWhole) {
   }
 }
 
+// Training by segments (autograd on, L longer than a segment): the forward
+// keeps each segment's starting sums, the backward recomputes segment by
+// segment. With forced 64-row segments at L = 150, the output and every
+// gradient (input, parameters) equal those of the whole sequence at once,
+// with padding, grouped heads, rotary positions that restart, a batch-first
+// and a sequence-first input; the backward works after the module's holder
+// is gone, a parameter changed in place before it is an error, and so is
+// create_graph.
+TEST_F(LinearAttentionModuleTest, TrainingBySegmentsEqualsWhole) {
+  const int64_t N = 2, E = 16, H = 4, L = 150;
+  for (auto kind : {AttentionKind::kLinear, AttentionKind::kPerformer}) {
+    for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+      SCOPED_TRACE(std::string(mha::to_string(kind)) + " " +
+                   c10::toString(dtype));
+      const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+      auto m = make(mha::MultiHeadAttentionOptions(E, H)
+                        .attention_kind(kind)
+                        .num_kv_heads(2)
+                        .rotary(true),
+                    dtype);
+      const auto opts = torch::TensorOptions(dtype);
+      auto x = torch::randn({N, L, E}, opts);
+      auto g = torch::randn({N, L, E}, opts);
+      auto pad = torch::zeros({N, L}, torch::kBool);
+      pad.index_put_({1, torch::indexing::Slice(100, L)}, true);
+      const auto positions =
+          torch::arange(L, torch::kLong).remainder(37).expand({N, L});
+      auto parameters = m->parameters();
+      // The output and the gradients of x and of every parameter.
+      const auto run = [&](mha::MultiHeadAttention& module, bool segments) {
+        std::unique_ptr<mha::detail::SegmentRowsForTests> rows;
+        if (segments) {
+          rows = std::make_unique<mha::detail::SegmentRowsForTests>(64);
+        }
+        auto xg = x.clone().requires_grad_();
+        auto out = std::get<0>(
+            module->forward(xg, {}, {}, pad, false, {}, true, true, positions));
+        rows.reset();  // the backward takes the rows the forward kept
+        std::vector<torch::Tensor> inputs{xg};
+        inputs.insert(inputs.end(), parameters.begin(), parameters.end());
+        auto grads = torch::autograd::grad({(out * g).sum()}, inputs);
+        grads.insert(grads.begin(), out.detach());
+        return grads;
+      };
+      const auto whole = run(m, false);
+      const auto segmented = run(m, true);
+      ASSERT_EQ(segmented.size(), whole.size());
+      for (size_t i = 0; i < whole.size(); ++i) {
+        expect_close(segmented[i], whole[i], tol, tol,
+                     i == 0 ? "output" : "gradient " + std::to_string(i - 1));
+      }
+      {
+        // The segments ran: the output's gradient function is theirs.
+        mha::detail::SegmentRowsForTests rows(64);
+        auto out = std::get<0>(m->forward(x.clone().requires_grad_(), {}, {},
+                                          {}, false, {}, true, true));
+        EXPECT_NE(out.grad_fn()->name().find("CausalSegmentsFunction"),
+                  std::string::npos)
+            << out.grad_fn()->name();
+        EXPECT_THROW_MSG(torch::autograd::grad({out.sum()}, {parameters[0]}, {},
+                                               /*retain_graph=*/true,
+                                               /*create_graph=*/true),
+                         "first derivatives only");
+        {
+          torch::NoGradGuard no_grad;
+          parameters[0].mul_(1.0);  // a new version
+        }
+        EXPECT_THROW_MSG(out.sum().backward(), "modified by an inplace");
+      }
+      // Sequence-first, and the holder gone before the backward.
+      auto copy = make(mha::MultiHeadAttentionOptions(E, H)
+                           .attention_kind(kind)
+                           .num_kv_heads(2)
+                           .rotary(true)
+                           .batch_first(false),
+                       dtype);
+      {
+        torch::NoGradGuard no_grad;
+        auto from = m->named_parameters();
+        for (auto& p : copy->named_parameters()) {
+          p.value().copy_(from[p.key()]);
+        }
+        if (m->random_features.defined()) {
+          copy->random_features.copy_(m->random_features);
+        }
+      }
+      torch::Tensor out, xg = x.transpose(0, 1).clone().requires_grad_();
+      {
+        mha::detail::SegmentRowsForTests rows(64);
+        auto held = copy;
+        copy = nullptr;
+        out = std::get<0>(
+            held->forward(xg, {}, {}, pad, false, {}, true, true, positions));
+      }
+      (out * g.transpose(0, 1)).sum().backward();
+      expect_close(out.transpose(0, 1).detach(), whole[0], tol, tol,
+                   "sequence-first output");
+      expect_close(xg.grad().transpose(0, 1), whole[1], tol, tol,
+                   "sequence-first input gradient");
+    }
+  }
+}
+
 // mha::linear_attention by segments equals its whole form: causal (S > L:
 // later keys never seen) and not, broadcast leading dims.
 TEST_F(LinearAttentionTest, InferenceBySegmentsEqualsWhole) {

@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/attention_core.h"
 #include "core/blas_threads.h"
@@ -136,11 +138,15 @@ int64_t kind_block(const MultiHeadAttentionImpl& m) {
   return causal_block_length(planned_features(m), m.head_dim);
 }
 
-/// The rows of an inference segment of kLinear / kPerformer for a batch of
-/// N (segment_rows): its query features (N, H, rows, F) and in-projection
-/// (N, rows, 3E) together within kSegmentBytes (F: planned_features).
-int64_t inference_rows(const MultiHeadAttentionImpl& m, int64_t N,
-                       int64_t element_size) {
+/// The rows of a segment of kLinear / kPerformer for a batch of N
+/// (segment_rows), in inference and in training by segments: its query
+/// features (N, H, rows, F) and in-projection (N, rows, 3E) together within
+/// kSegmentBytes (F: planned_features). A training segment's graph holds a
+/// few times that (features of queries and keys, their exponents, the
+/// projections): each tensor well under glibc's 32 MiB mmap threshold, so
+/// the allocator reuses its memory from segment to segment.
+int64_t kind_segment_rows(const MultiHeadAttentionImpl& m, int64_t N,
+                          int64_t element_size) {
   const int64_t per_row =
       m.options.num_heads() * planned_features(m) + 3 * m.options.embed_dim();
   return segment_rows(N * per_row * element_size, kind_block(m));
@@ -211,7 +217,7 @@ torch::Tensor attend_with_sums(const MultiHeadAttentionImpl& m,
   // Performer's 266 features: under 8 MiB instead of 1.1 GB of fresh memory,
   // whose page faults cost more than its arithmetic on this project's VM).
   const int64_t rows =
-      inference_rows(m, N, static_cast<int64_t>(q.element_size()));
+      kind_segment_rows(m, N, static_cast<int64_t>(q.element_size()));
   if (by_segments(L, S, causal, rows)) {
     return linear_attention_by_segments(
                [&](int64_t b, int64_t n) { return features(qg, b, n, false); },
@@ -324,42 +330,206 @@ std::tuple<torch::Tensor, torch::Tensor> project_output(
                           batched);
 }
 
+/// One segment of kLinear / kPerformer causal self-attention, the whole
+/// module forward over rows [begin, begin + n) of the sequence: `segment`
+/// (N, n, E) those rows, padding and positions (N, L) of the whole
+/// sequence or undefined, `sums` the sums of the rows before (empty for
+/// the first segment); `sums_out` receives the sums after the segment.
+/// Returns the segment's output (N, n, E).
+torch::Tensor causal_segment(const MultiHeadAttentionImpl& m,
+                             const torch::Tensor& segment,
+                             const torch::Tensor& padding,
+                             const torch::Tensor& positions, int64_t begin,
+                             const LinearSums& sums, LinearSums* sums_out) {
+  const int64_t n = segment.size(1);
+  auto p = project_inputs(m, segment, segment, segment,
+                          /*self_attention=*/true, /*key_is_value=*/true);
+  auto q = split_heads(p.q, m.options.num_heads());  // (N, H, n, D)
+  auto k = split_heads(p.k, m.num_kv_heads());       // (N, Hkv, n, D)
+  auto v = split_heads(p.v, m.num_kv_heads());       // (N, Hkv, n, D)
+  const auto at =
+      positions.defined() ? positions.narrow(1, begin, n) : torch::Tensor();
+  rotate_heads(m, q, k, at, at, begin);  // row t at at[n][t] or begin + t
+  auto heads = attend_with_sums(
+      m, q, k, v, padding.defined() ? padding.narrow(1, begin, n) : padding,
+      /*causal=*/true, sums, sums_out);
+  return out_projection(m, heads);  // (N, n, E)
+}
+
 /// kLinear / kPerformer causal self-attention for inference, the whole
-/// forward a segment of rows at a time (inference_rows), the sums carried
+/// forward a segment of rows at a time (kind_segment_rows), the sums carried
 /// from one to the next as forward_cached carries them from call to call:
 /// only the output (N, L, E) is as long as the sequence, no projection,
 /// feature or head tensor is (at L = 64k, E = 256, 4 heads, the Performer's
 /// 266 features: the forward's peak 1430 -> 102 MiB, and the page faults
 /// of that memory cost more than its arithmetic on this project's VM; see
 /// docs/linear.md). x (N, L, E), padding (N, L) or undefined, positions
-/// (N, L) or undefined, rows per segment. Returns (N, L, E).
-torch::Tensor causal_forward_by_segments(const MultiHeadAttentionImpl& m,
-                                         const torch::Tensor& x,
-                                         const torch::Tensor& padding,
-                                         const torch::Tensor& positions,
-                                         int64_t rows) {
+/// (N, L) or undefined, rows per segment. `starts`, when given, receives
+/// the sums at each segment's start (the first empty). Returns (N, L, E).
+torch::Tensor causal_forward_by_segments(
+    const MultiHeadAttentionImpl& m, const torch::Tensor& x,
+    const torch::Tensor& padding, const torch::Tensor& positions, int64_t rows,
+    std::vector<LinearSums>* starts = nullptr) {
   const int64_t N = x.size(0), L = x.size(1);
   auto output = torch::empty({N, L, m.options.embed_dim()}, x.options());
   LinearSums sums;
   for (int64_t begin = 0; begin < L; begin += rows) {
     const int64_t n = std::min(rows, L - begin);
-    const auto segment = x.narrow(1, begin, n);  // (N, n, E)
-    auto p = project_inputs(m, segment, segment, segment,
-                            /*self_attention=*/true, /*key_is_value=*/true);
-    auto q = split_heads(p.q, m.options.num_heads());  // (N, H, n, D)
-    auto k = split_heads(p.k, m.num_kv_heads());       // (N, Hkv, n, D)
-    auto v = split_heads(p.v, m.num_kv_heads());       // (N, Hkv, n, D)
-    const auto at =
-        positions.defined() ? positions.narrow(1, begin, n) : torch::Tensor();
-    rotate_heads(m, q, k, at, at, begin);  // row t at at[n][t] or begin + t
+    if (starts != nullptr) {
+      starts->push_back(sums);
+    }
     LinearSums next;
-    auto heads = attend_with_sums(
-        m, q, k, v, padding.defined() ? padding.narrow(1, begin, n) : padding,
-        /*causal=*/true, sums, &next);
-    output.narrow(1, begin, n).copy_(out_projection(m, heads));
+    output.narrow(1, begin, n)
+        .copy_(causal_segment(m, x.narrow(1, begin, n), padding, positions,
+                              begin, sums, begin + n < L ? &next : nullptr));
     sums = std::move(next);
   }
   return output;
+}
+
+/// What the backward of CausalSegmentsFunction needs besides its saved
+/// tensors: the module (kept alive until then), the constants of the call,
+/// and the sums at each segment's start, which the forward kept (a few
+/// (N, Hkv, F, D) tensors: the checkpoints).
+struct SegmentsCheckpoint : torch::CustomClassHolder {
+  std::shared_ptr<const MultiHeadAttentionImpl> module;
+  torch::Tensor padding;    // (N, L) or undefined
+  torch::Tensor positions;  // (N, L) or undefined
+  int64_t rows = 0;
+  std::vector<LinearSums> starts;
+};
+
+/// kLinear / kPerformer causal self-attention with autograd, a segment at
+/// a time and checkpointed (Chen et al., 2016, "Training Deep Nets with
+/// Sublinear Memory Cost", applied per segment as in Katharopoulos et al.,
+/// 2020, section 3.3.1's constant-memory gradient of the causal form):
+/// the forward runs causal_forward_by_segments without a graph, keeping
+/// only the sums at each segment's start; the backward walks the segments
+/// from the last, recomputes each one's forward with a graph from its
+/// rows and starting sums, and takes its gradients (of its rows, the
+/// parameters and its starting sums) from those of its output and of the
+/// sums after it, which the segment after handed back. Memory: one
+/// segment's graph instead of the whole sequence's, for one more forward.
+class CausalSegmentsFunction
+    : public torch::autograd::Function<CausalSegmentsFunction> {
+ public:
+  /// x (N, L, E); parameters: the module's (saved: an in-place change
+  /// before the backward is an error, not a wrong gradient); checkpoint
+  /// without its starts, which the forward fills.
+  static torch::Tensor forward(
+      torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+      torch::TensorList parameters,
+      const c10::intrusive_ptr<SegmentsCheckpoint>& checkpoint) {
+    auto& c = *checkpoint;
+    auto output = causal_forward_by_segments(*c.module, x, c.padding,
+                                             c.positions, c.rows, &c.starts);
+    std::vector<torch::Tensor> saved{x};
+    saved.insert(saved.end(), parameters.begin(), parameters.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["checkpoint"] = c10::IValue::make_capsule(checkpoint);
+    return output;
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    TORCH_CHECK(!torch::GradMode::is_enabled(),
+                "MultiHeadAttention: the causal form of attention_kind kLinear "
+                "or kPerformer trained by segments has first derivatives "
+                "only; a backward with create_graph=true through it is not "
+                "supported");
+    const auto saved = ctx->get_saved_variables();  // checks the versions
+    const auto& x = saved[0];
+    const auto checkpoint =
+        c10::static_intrusive_pointer_cast<SegmentsCheckpoint>(
+            ctx->saved_data.at("checkpoint").toCapsule());
+    const auto& c = *checkpoint;
+    const int64_t P = static_cast<int64_t>(saved.size()) - 1;
+    // Outputs: x's gradient, the parameters', none for the checkpoint.
+    torch::autograd::variable_list out(P + 2);
+    const auto& g = grads[0];  // (N, L, E)
+    if (!g.defined()) {
+      return out;
+    }
+    const int64_t L = x.size(1);
+    const bool x_grad = ctx->needs_input_grad(0);
+    if (x_grad) {
+      out[0] = torch::empty_like(x);
+    }
+    std::vector<int64_t> trained;  // indices into saved of the parameters
+    for (int64_t i = 1; i <= P; ++i) {
+      if (ctx->needs_input_grad(i)) {
+        trained.push_back(i);
+      }
+    }
+    LinearSums after_grad;  // the gradient of the sums after the segment
+    const int64_t count = static_cast<int64_t>(c.starts.size());
+    for (int64_t s = count - 1; s >= 0; --s) {
+      const int64_t begin = s * c.rows;
+      const int64_t n = std::min(c.rows, L - begin);
+      torch::AutoGradMode grad_mode(true);
+      auto rows = x.narrow(1, begin, n).detach().requires_grad_(x_grad);
+      LinearSums start = c.starts[s];
+      if (!start.empty()) {
+        start.kv = start.kv.detach().requires_grad_();
+        start.k = start.k.detach().requires_grad_();
+      }
+      LinearSums after;
+      auto y = causal_segment(*c.module, rows, c.padding, c.positions, begin,
+                              start, after_grad.empty() ? nullptr : &after);
+      torch::autograd::variable_list outputs{y};
+      torch::autograd::variable_list output_grads{g.narrow(1, begin, n)};
+      if (!after_grad.empty()) {
+        outputs.insert(outputs.end(), {after.kv, after.k});
+        output_grads.insert(output_grads.end(), {after_grad.kv, after_grad.k});
+      }
+      torch::autograd::variable_list inputs;
+      if (x_grad) {
+        inputs.push_back(rows);
+      }
+      for (const auto i : trained) {
+        inputs.push_back(saved[i]);
+      }
+      if (!start.empty()) {
+        inputs.insert(inputs.end(), {start.kv, start.k});
+      }
+      auto d = torch::autograd::grad(outputs, inputs, output_grads,
+                                     /*retain_graph=*/false,
+                                     /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+      size_t next = 0;
+      if (x_grad) {
+        out[0].narrow(1, begin, n).copy_(d[next++]);
+      }
+      for (const auto i : trained) {
+        auto& total = out[i];
+        auto& part = d[next++];
+        if (part.defined()) {
+          total = total.defined() ? total.add_(part) : part;
+        }
+      }
+      after_grad = LinearSums();
+      if (!start.empty()) {
+        after_grad.kv = d[next];
+        after_grad.k = d[next + 1];
+      }
+    }
+    return out;
+  }
+};
+
+/// Whether kLinear / kPerformer causal self-attention of L rows trains by
+/// segments of `rows` (CausalSegmentsFunction): with autograd, longer
+/// than a segment, the module owned by a shared_ptr (a ModuleHolder) so
+/// that the backward can keep it, φ the built-in one (a custom feature map
+/// may hold parameters the checkpoint would not see), and padding not
+/// itself requiring a gradient.
+bool trains_by_segments(const MultiHeadAttentionImpl& m, int64_t L,
+                        int64_t rows, const torch::Tensor& padding) {
+  return torch::GradMode::is_enabled() && L > rows &&
+         !m.options.feature_map() &&
+         !(padding.defined() && padding.requires_grad()) &&
+         !m.weak_from_this().expired();
 }
 
 /// The options no linear-cost kind takes (they give keys positions or
@@ -522,12 +692,28 @@ std::tuple<torch::Tensor, torch::Tensor> linear_kind_forward(
   const auto at = positions_2d(positions, N, L, in.batched, in.query.device(),
                                who);  // (N, L) or undefined
   if (keeps_sums(kind) && self_attention && is_causal) {
-    const int64_t rows = inference_rows(m, N, in.query.element_size());
+    const int64_t rows = kind_segment_rows(m, N, in.query.element_size());
     if (by_segments(L, L, /*causal=*/true, rows)) {
       return in_caller_layout(m,
                               causal_forward_by_segments(
                                   m, in.query, in.key_padding_mask, at, rows),
                               {}, in.batched);
+    }
+    if (trains_by_segments(m, L, rows, in.key_padding_mask)) {
+      auto checkpoint = c10::make_intrusive<SegmentsCheckpoint>();
+      // The module's own shared_ptr, pointing at m (Module is a virtual
+      // base of it).
+      checkpoint->module = std::shared_ptr<const MultiHeadAttentionImpl>(
+          m.shared_from_this(), &m);
+      checkpoint->padding = in.key_padding_mask;
+      checkpoint->positions = at;
+      checkpoint->rows = rows;
+      const auto parameters = m.parameters();
+      return in_caller_layout(
+          m,
+          CausalSegmentsFunction::apply(in.query, torch::TensorList(parameters),
+                                        checkpoint),
+          {}, in.batched);
     }
   }
   auto p = project_inputs(m, in.query, in.key, in.value, self_attention,
