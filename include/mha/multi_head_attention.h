@@ -127,7 +127,11 @@ struct MultiHeadAttentionOptions {
   /// off), kLinear and kPerformer run causal self-attention a segment of
   /// rows at a time, projections included, and make other calls' features
   /// a segment at a time: only the output is as long as the sequence
-  /// (docs/linear.md). Not in torch::nn. Checked by reset().
+  /// (docs/linear.md). With autograd, their causal self-attention longer
+  /// than a segment trains by segments, checkpointed: the backward
+  /// recomputes each segment's forward (first derivatives only; a custom
+  /// feature_map takes the whole sequence at once). Not in torch::nn.
+  /// Checked by reset().
   TORCH_ARG(AttentionKind, attention_kind) = AttentionKind::kSoftmax;
   /// kLinear: the feature map φ (mha::FeatureMap); empty (default):
   /// elu(x) + 1 (Katharopoulos et al., 2020).

@@ -401,15 +401,16 @@ struct SegmentsCheckpoint : torch::CustomClassHolder {
 
 /// kLinear / kPerformer causal self-attention with autograd, a segment at
 /// a time and checkpointed (Chen et al., 2016, "Training Deep Nets with
-/// Sublinear Memory Cost", applied per segment as in Katharopoulos et al.,
-/// 2020, section 3.3.1's constant-memory gradient of the causal form):
-/// the forward runs causal_forward_by_segments without a graph, keeping
-/// only the sums at each segment's start; the backward walks the segments
-/// from the last, recomputes each one's forward with a graph from its
-/// rows and starting sums, and takes its gradients (of its rows, the
-/// parameters and its starting sums) from those of its output and of the
-/// sums after it, which the segment after handed back. Memory: one
-/// segment's graph instead of the whole sequence's, for one more forward.
+/// Sublinear Memory Cost"; what torch.utils.checkpoint does for a Python
+/// function, here per segment with the sums carried between them): the
+/// forward runs causal_forward_by_segments without a graph, keeping only
+/// the sums at each segment's start; the backward walks the segments from
+/// the last, recomputes each one's forward with a graph from its rows and
+/// starting sums, and takes its gradients (of its rows, the parameters and
+/// its starting sums) from those of its output and of the sums after it,
+/// which the segment after handed back. Memory: one segment's graph
+/// instead of the whole sequence's, for one more forward. First
+/// derivatives only (create_graph=true is an error).
 class CausalSegmentsFunction
     : public torch::autograd::Function<CausalSegmentsFunction> {
  public:
