@@ -1295,8 +1295,8 @@ TEST_F(LinearAttentionModuleTest, InferenceBySegmentsEqualsWhole) {
 // gradient (input, parameters) equal those of the whole sequence at once,
 // with padding, grouped heads, rotary positions that restart, a batch-first
 // and a sequence-first input; the backward works after the module's holder
-// is gone, a parameter changed in place before it is an error, and so is
-// create_graph.
+// is gone, a parameter changed in place before it is an error (and so are
+// the Performer's features redrawn), and so is create_graph.
 TEST_F(LinearAttentionModuleTest, TrainingBySegmentsEqualsWhole) {
   const int64_t N = 2, E = 16, H = 4, L = 150;
   for (auto kind : {AttentionKind::kLinear, AttentionKind::kPerformer}) {
@@ -1388,6 +1388,15 @@ TEST_F(LinearAttentionModuleTest, TrainingBySegmentsEqualsWhole) {
                    "sequence-first output");
       expect_close(xg.grad().transpose(0, 1), whole[1], tol, tol,
                    "sequence-first input gradient");
+      if (kind == AttentionKind::kPerformer) {
+        // Features redrawn between the forward and the backward: an error,
+        // not the gradient of other features.
+        mha::detail::SegmentRowsForTests rows(64);
+        auto y = std::get<0>(m->forward(x.clone().requires_grad_(), {}, {}, {},
+                                        false, {}, true, true));
+        m->redraw_features(99);
+        EXPECT_THROW_MSG(y.sum().backward(), "modified by an inplace");
+      }
     }
   }
 }

@@ -414,18 +414,19 @@ struct SegmentsCheckpoint : torch::CustomClassHolder {
 class CausalSegmentsFunction
     : public torch::autograd::Function<CausalSegmentsFunction> {
  public:
-  /// x (N, L, E); parameters: the module's (saved: an in-place change
-  /// before the backward is an error, not a wrong gradient); checkpoint
-  /// without its starts, which the forward fills.
+  /// x (N, L, E); tensors: those of the module the recompute reads, its
+  /// parameters and buffers (saved: an in-place change before the backward
+  /// is an error, not a wrong gradient); checkpoint without its starts,
+  /// which the forward fills.
   static torch::Tensor forward(
       torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-      torch::TensorList parameters,
+      torch::TensorList tensors,
       const c10::intrusive_ptr<SegmentsCheckpoint>& checkpoint) {
     auto& c = *checkpoint;
     auto output = causal_forward_by_segments(*c.module, x, c.padding,
                                              c.positions, c.rows, &c.starts);
     std::vector<torch::Tensor> saved{x};
-    saved.insert(saved.end(), parameters.begin(), parameters.end());
+    saved.insert(saved.end(), tensors.begin(), tensors.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["checkpoint"] = c10::IValue::make_capsule(checkpoint);
     return output;
@@ -446,7 +447,7 @@ class CausalSegmentsFunction
             ctx->saved_data.at("checkpoint").toCapsule());
     const auto& c = *checkpoint;
     const int64_t P = static_cast<int64_t>(saved.size()) - 1;
-    // Outputs: x's gradient, the parameters', none for the checkpoint.
+    // Outputs: x's gradient, the tensors', none for the checkpoint.
     torch::autograd::variable_list out(P + 2);
     const auto& g = grads[0];  // (N, L, E)
     if (!g.defined()) {
@@ -709,10 +710,15 @@ std::tuple<torch::Tensor, torch::Tensor> linear_kind_forward(
       checkpoint->padding = in.key_padding_mask;
       checkpoint->positions = at;
       checkpoint->rows = rows;
-      const auto parameters = m.parameters();
+      // What the recompute reads: the parameters, and the Performer's
+      // features (a buffer, saved for its version only).
+      auto tensors = m.parameters();
+      if (m.random_features.defined()) {
+        tensors.push_back(m.random_features);
+      }
       return in_caller_layout(
           m,
-          CausalSegmentsFunction::apply(in.query, torch::TensorList(parameters),
+          CausalSegmentsFunction::apply(in.query, torch::TensorList(tensors),
                                         checkpoint),
           {}, in.batched);
     }
