@@ -13,8 +13,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>  // madvise
+#endif
 
 #include "core/attention_core.h"  // kNegInf
 #include "core/blas_threads.h"
@@ -432,6 +437,27 @@ int64_t segment_rows(int64_t row_bytes, int64_t block) {
   return std::max<int64_t>(1, rows / block) * block;
 }
 
+torch::Tensor empty_sequence_output(torch::IntArrayRef sizes,
+                                    const torch::TensorOptions& options) {
+  auto out = torch::empty(sizes, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (out.device().is_cpu() &&
+      static_cast<int64_t>(out.nbytes()) >= kHugeOutputBytes) {
+    constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
+    const auto begin = reinterpret_cast<uintptr_t>(out.data_ptr());
+    const auto first = (begin + kHugePage - 1) & ~(kHugePage - 1);
+    const auto last = (begin + out.nbytes()) & ~(kHugePage - 1);
+    if (last > first) {
+      // Advice only: where the kernel refuses it (no transparent huge
+      // pages), the pages stay 4 KiB.
+      (void)madvise(reinterpret_cast<void*>(first), last - first,
+                    MADV_HUGEPAGE);
+    }
+  }
+#endif
+  return out;
+}
+
 bool by_segments(int64_t L, int64_t S, bool causal, int64_t rows) {
   return !torch::GradMode::is_enabled() && S > 0 && (!causal || S >= L) &&
          std::max(L, S) > rows;
@@ -450,7 +476,7 @@ torch::Tensor linear_attention_by_segments(
     if (!out.defined()) {
       auto sizes = part.sizes().vec();
       sizes[sizes.size() - 2] = L;
-      out = torch::empty(sizes, part.options());
+      out = empty_sequence_output(sizes, part.options());
     }
     out.narrow(-2, begin, part.size(-2)).copy_(part);
   };

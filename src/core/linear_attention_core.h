@@ -127,6 +127,21 @@ torch::Tensor linear_attention_by_segments(
     const torch::Tensor& values, int64_t L, bool causal, const LinearSums& sums,
     int64_t rows, int64_t block, LinearSums* sums_out = nullptr);
 
+/// An uninitialized (sizes) tensor for a whole sequence's output, written
+/// once a segment at a time. On Linux, when it takes at least
+/// kHugeOutputBytes on the CPU, its memory is advised MADV_HUGEPAGE
+/// (madvise(2); transparent huge pages in `madvise` or `always` mode): the
+/// first touch then faults once per 2 MiB instead of per 4 KiB page.
+/// glibc maps blocks that large fresh on every allocation (its mmap
+/// threshold stops rising at 32 MiB), and at 4 KiB per fault filling a
+/// fresh (1, 64k, 256) float32 output took 220-460 ms on this project's
+/// VM, against 11-160 ms advised (docs/linear.md).
+torch::Tensor empty_sequence_output(torch::IntArrayRef sizes,
+                                    const torch::TensorOptions& options);
+
+/// 32 MiB: from there empty_sequence_output advises huge pages.
+constexpr int64_t kHugeOutputBytes = int64_t{32} << 20;
+
 /// The causal products of linear attention, walked block by block on the
 /// CPU (src/core/linear_attention_kernel.cpp): for each leading item n,
 ///   forward: out_t = Σ_{j <= t} (a_t · D(t, j) b_j) c_jᵀ,

@@ -371,7 +371,8 @@ torch::Tensor causal_forward_by_segments(
     const torch::Tensor& padding, const torch::Tensor& positions, int64_t rows,
     std::vector<LinearSums>* starts = nullptr) {
   const int64_t N = x.size(0), L = x.size(1);
-  auto output = torch::empty({N, L, m.options.embed_dim()}, x.options());
+  auto output =
+      empty_sequence_output({N, L, m.options.embed_dim()}, x.options());
   LinearSums sums;
   for (int64_t begin = 0; begin < L; begin += rows) {
     const int64_t n = std::min(rows, L - begin);
@@ -456,7 +457,7 @@ class CausalSegmentsFunction
     const int64_t L = x.size(1);
     const bool x_grad = ctx->needs_input_grad(0);
     if (x_grad) {
-      out[0] = torch::empty_like(x);
+      out[0] = empty_sequence_output(x.sizes(), x.options());
     }
     std::vector<int64_t> trained;  // indices into saved of the parameters
     for (int64_t i = 1; i <= P; ++i) {
