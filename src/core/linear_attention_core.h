@@ -169,6 +169,12 @@ struct CausalProducts {
                            // Fc - 1 columns over the last (0 where it is 0)
 };
 
+/// In the backward of a form with first derivatives only: an error when
+/// grad mode is on there (a backward with create_graph=true, whose second
+/// derivative would otherwise be silently missing). `what` names the
+/// form.
+void check_first_derivatives_only(const char* what);
+
 /// Whether causal_products takes tensors like x: CPU float32 or float64.
 bool causal_products_apply(const torch::Tensor& x);
 

@@ -127,6 +127,12 @@ void walk_item(const CausalProducts& p, int64_t n, scalar_t* state, scalar_t* w,
 
 }  // namespace
 
+void check_first_derivatives_only(const char* what) {
+  TORCH_CHECK(!torch::GradMode::is_enabled(), what,
+              " has first derivatives only; a backward with "
+              "create_graph=true through it is not supported");
+}
+
 bool causal_products_apply(const torch::Tensor& x) {
   return x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 ||
                                  x.scalar_type() == torch::kFloat64);
@@ -276,13 +282,9 @@ class CausalProductsFunction
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
-    // Grad mode on in backward: create_graph, which the walks below cannot
-    // give (they record nothing), so a second derivative would be silently
-    // missing.
-    TORCH_CHECK(!torch::GradMode::is_enabled(),
-                "linear attention: the causal form on the CPU (float32, "
-                "float64) has first derivatives only; a backward with "
-                "create_graph=true through it is not supported");
+    // The walks below record nothing.
+    check_first_derivatives_only(
+        "linear attention: the causal form on the CPU (float32, float64)");
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v1 = saved[2];
     const auto tensor_of = [&](const char* name) {

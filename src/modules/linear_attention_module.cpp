@@ -436,11 +436,10 @@ class CausalSegmentsFunction
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
-    TORCH_CHECK(!torch::GradMode::is_enabled(),
-                "MultiHeadAttention: the causal form of attention_kind kLinear "
-                "or kPerformer trained by segments has first derivatives "
-                "only; a backward with create_graph=true through it is not "
-                "supported");
+    // The recompute's own backward records nothing either.
+    check_first_derivatives_only(
+        "MultiHeadAttention: attention_kind kLinear or kPerformer trained by "
+        "segments");
     const auto saved = ctx->get_saved_variables();  // checks the versions
     const auto& x = saved[0];
     const auto checkpoint =
