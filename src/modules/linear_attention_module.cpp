@@ -143,8 +143,9 @@ int64_t kind_block(const MultiHeadAttentionImpl& m) {
 /// features (N, H, rows, F) and in-projection (N, rows, 3E) together within
 /// kSegmentBytes (F: planned_features). A training segment's graph holds a
 /// few times that (features of queries and keys, their exponents, the
-/// projections): each tensor well under glibc's 32 MiB mmap threshold, so
-/// the allocator reuses its memory from segment to segment.
+/// projections), each tensor well under the 32 MiB from which glibc maps
+/// every allocation fresh (whose page faults made the whole sequence's
+/// tensors cost more than their arithmetic; docs/linear.md).
 int64_t kind_segment_rows(const MultiHeadAttentionImpl& m, int64_t N,
                           int64_t element_size) {
   const int64_t per_row =
