@@ -2,7 +2,8 @@
 // options' checks, Linformer's projections and Performer's features, and
 // forward, forward_cached and forward_projected through the core of
 // core/linear_attention_core.h (kLinear, kPerformer) or the softmax core
-// over projected keys (kLinformer).
+// over projected keys (kLinformer); long causal self-attention of kLinear
+// and kPerformer by segments (linear_attention_segments.cpp).
 //
 // Glossary: N batch, L target (query) length, S source (key) length, T new
 // tokens of a decoding step, P tokens held by the cache before it, E
@@ -14,14 +15,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <memory>
 #include <string>
-#include <vector>
 
 #include "core/attention_core.h"
 #include "core/blas_threads.h"
 #include "core/linear_attention_core.h"
 #include "mha/masks.h"
+#include "modules/linear_attention_segments.h"
 #include "modules/module_inputs.h"
 #include "modules/module_positions.h"
 #include "modules/projection.h"
@@ -153,11 +153,9 @@ int64_t kind_segment_rows(const MultiHeadAttentionImpl& m, int64_t N,
   return segment_rows(N * per_row * element_size, kind_block(m));
 }
 
-/// kLinear / kPerformer over q (N, H, L, D), k, v (N, Hkv, S, D): the sums
-/// of linear attention, grown from `sums` (a decoding state or empty);
-/// `sums_out` receives the sums after the keys. padding: (N, S), bool
-/// (true = blocked) or floating (key j's terms times exp(padding_j), as an
-/// added score multiplies exp(score)), or undefined.
+}  // namespace
+
+// Declared in linear_attention_segments.h, whose segments are made of it.
 torch::Tensor attend_with_sums(const MultiHeadAttentionImpl& m,
                                const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,
@@ -245,6 +243,8 @@ torch::Tensor attend_with_sums(const MultiHeadAttentionImpl& m,
   return out.reshape({N, H, L, D});  // (N, H, L, D)
 }
 
+namespace {
+
 /// kLinformer over q (N, H, L, D), k, v (N, Hkv, S, D): keys and values
 /// projected along the sequence by proj_k / proj_v (first S columns), then
 /// softmax attention over the k projected rows. padding: bool (N, S)
@@ -300,13 +300,17 @@ HeadsResult attend_heads(const MultiHeadAttentionImpl& m,
   return {attend_with_sums(m, q, k, v, padding, causal, {}, nullptr), {}};
 }
 
-/// out_proj of the heads (N, H, L, D): (N, L, E).
+}  // namespace
+
+// Declared in linear_attention_segments.h.
 torch::Tensor out_projection(const MultiHeadAttentionImpl& m,
                              const torch::Tensor& heads) {
   auto merged = heads.transpose(1, 2).reshape(
       {heads.size(0), heads.size(2), -1});  // (N, L, E)
   return project(merged, m.out_proj->weight, m.out_proj->bias);
 }
+
+namespace {
 
 /// output (N, L, E) and weights in the caller's layout (as forward's
 /// attend_and_project).
@@ -329,210 +333,6 @@ std::tuple<torch::Tensor, torch::Tensor> project_output(
     const MultiHeadAttentionImpl& m, const HeadsResult& heads, bool batched) {
   return in_caller_layout(m, out_projection(m, heads.output), heads.weights,
                           batched);
-}
-
-/// One segment of kLinear / kPerformer causal self-attention, the whole
-/// module forward over rows [begin, begin + n) of the sequence: `segment`
-/// (N, n, E) those rows, padding and positions (N, L) of the whole
-/// sequence or undefined, `sums` the sums of the rows before (empty for
-/// the first segment); `sums_out` receives the sums after the segment.
-/// Returns the segment's output (N, n, E).
-torch::Tensor causal_segment(const MultiHeadAttentionImpl& m,
-                             const torch::Tensor& segment,
-                             const torch::Tensor& padding,
-                             const torch::Tensor& positions, int64_t begin,
-                             const LinearSums& sums, LinearSums* sums_out) {
-  const int64_t n = segment.size(1);
-  auto p = project_inputs(m, segment, segment, segment,
-                          /*self_attention=*/true, /*key_is_value=*/true);
-  auto q = split_heads(p.q, m.options.num_heads());  // (N, H, n, D)
-  auto k = split_heads(p.k, m.num_kv_heads());       // (N, Hkv, n, D)
-  auto v = split_heads(p.v, m.num_kv_heads());       // (N, Hkv, n, D)
-  const auto at =
-      positions.defined() ? positions.narrow(1, begin, n) : torch::Tensor();
-  rotate_heads(m, q, k, at, at, begin);  // row t at at[n][t] or begin + t
-  auto heads = attend_with_sums(
-      m, q, k, v, padding.defined() ? padding.narrow(1, begin, n) : padding,
-      /*causal=*/true, sums, sums_out);
-  return out_projection(m, heads);  // (N, n, E)
-}
-
-/// kLinear / kPerformer causal self-attention for inference, the whole
-/// forward a segment of rows at a time (kind_segment_rows), the sums carried
-/// from one to the next as forward_cached carries them from call to call:
-/// only the output (N, L, E) is as long as the sequence, no projection,
-/// feature or head tensor is (at L = 64k, E = 256, 4 heads, the Performer's
-/// 266 features: the forward's peak 1430 -> 102 MiB, and the page faults
-/// of that memory cost more than its arithmetic on this project's VM; see
-/// docs/linear.md). x (N, L, E), padding (N, L) or undefined, positions
-/// (N, L) or undefined, rows per segment. `starts`, when given, receives
-/// the sums at each segment's start (the first empty). Returns (N, L, E).
-torch::Tensor causal_forward_by_segments(
-    const MultiHeadAttentionImpl& m, const torch::Tensor& x,
-    const torch::Tensor& padding, const torch::Tensor& positions, int64_t rows,
-    std::vector<LinearSums>* starts = nullptr) {
-  const int64_t N = x.size(0), L = x.size(1);
-  auto output =
-      empty_sequence_output({N, L, m.options.embed_dim()}, x.options());
-  LinearSums sums;
-  for (int64_t begin = 0; begin < L; begin += rows) {
-    const int64_t n = std::min(rows, L - begin);
-    if (starts != nullptr) {
-      starts->push_back(sums);
-    }
-    LinearSums next;
-    output.narrow(1, begin, n)
-        .copy_(causal_segment(m, x.narrow(1, begin, n), padding, positions,
-                              begin, sums, begin + n < L ? &next : nullptr));
-    sums = std::move(next);
-  }
-  return output;
-}
-
-/// What the backward of CausalSegmentsFunction needs besides its saved
-/// tensors: the module (kept alive until then), the constants of the call,
-/// and the sums at each segment's start, which the forward kept (a few
-/// (N, Hkv, F, D) tensors: the checkpoints).
-struct SegmentsCheckpoint : torch::CustomClassHolder {
-  std::shared_ptr<const MultiHeadAttentionImpl> module;
-  torch::Tensor padding;    // (N, L) or undefined
-  torch::Tensor positions;  // (N, L) or undefined
-  int64_t rows = 0;
-  std::vector<LinearSums> starts;
-};
-
-/// kLinear / kPerformer causal self-attention with autograd, a segment at
-/// a time and checkpointed (Chen et al., 2016, "Training Deep Nets with
-/// Sublinear Memory Cost"; what torch.utils.checkpoint does for a Python
-/// function, here per segment with the sums carried between them): the
-/// forward runs causal_forward_by_segments without a graph, keeping only
-/// the sums at each segment's start; the backward walks the segments from
-/// the last, recomputes each one's forward with a graph from its rows and
-/// starting sums, and takes its gradients (of its rows, the parameters and
-/// its starting sums) from those of its output and of the sums after it,
-/// which the segment after handed back. Memory: one segment's graph
-/// instead of the whole sequence's, for one more forward. First
-/// derivatives only (create_graph=true is an error).
-class CausalSegmentsFunction
-    : public torch::autograd::Function<CausalSegmentsFunction> {
- public:
-  /// x (N, L, E); tensors: those of the module the recompute reads, its
-  /// parameters and buffers (saved: an in-place change before the backward
-  /// is an error, not a wrong gradient); checkpoint without its starts,
-  /// which the forward fills.
-  static torch::Tensor forward(
-      torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-      torch::TensorList tensors,
-      const c10::intrusive_ptr<SegmentsCheckpoint>& checkpoint) {
-    auto& c = *checkpoint;
-    auto output = causal_forward_by_segments(*c.module, x, c.padding,
-                                             c.positions, c.rows, &c.starts);
-    std::vector<torch::Tensor> saved{x};
-    saved.insert(saved.end(), tensors.begin(), tensors.end());
-    ctx->save_for_backward(saved);
-    ctx->saved_data["checkpoint"] = c10::IValue::make_capsule(checkpoint);
-    return output;
-  }
-
-  static torch::autograd::variable_list backward(
-      torch::autograd::AutogradContext* ctx,
-      torch::autograd::variable_list grads) {
-    // The recompute's own backward records nothing either.
-    check_first_derivatives_only(
-        "MultiHeadAttention: attention_kind kLinear or kPerformer trained by "
-        "segments");
-    const auto saved = ctx->get_saved_variables();  // checks the versions
-    const auto& x = saved[0];
-    const auto checkpoint =
-        c10::static_intrusive_pointer_cast<SegmentsCheckpoint>(
-            ctx->saved_data.at("checkpoint").toCapsule());
-    const auto& c = *checkpoint;
-    const int64_t P = static_cast<int64_t>(saved.size()) - 1;
-    // Outputs: x's gradient, the tensors', none for the checkpoint.
-    torch::autograd::variable_list out(P + 2);
-    const auto& g = grads[0];  // (N, L, E)
-    if (!g.defined()) {
-      return out;
-    }
-    const int64_t L = x.size(1);
-    const bool x_grad = ctx->needs_input_grad(0);
-    if (x_grad) {
-      out[0] = empty_sequence_output(x.sizes(), x.options());
-    }
-    std::vector<int64_t> trained;  // indices into saved of the parameters
-    for (int64_t i = 1; i <= P; ++i) {
-      if (ctx->needs_input_grad(i)) {
-        trained.push_back(i);
-      }
-    }
-    LinearSums after_grad;  // the gradient of the sums after the segment
-    const int64_t count = static_cast<int64_t>(c.starts.size());
-    for (int64_t s = count - 1; s >= 0; --s) {
-      const int64_t begin = s * c.rows;
-      const int64_t n = std::min(c.rows, L - begin);
-      torch::AutoGradMode grad_mode(true);
-      auto rows = x.narrow(1, begin, n).detach().requires_grad_(x_grad);
-      LinearSums start = c.starts[s];
-      if (!start.empty()) {
-        start.kv = start.kv.detach().requires_grad_();
-        start.k = start.k.detach().requires_grad_();
-      }
-      LinearSums after;
-      auto y = causal_segment(*c.module, rows, c.padding, c.positions, begin,
-                              start, after_grad.empty() ? nullptr : &after);
-      torch::autograd::variable_list outputs{y};
-      torch::autograd::variable_list output_grads{g.narrow(1, begin, n)};
-      if (!after_grad.empty()) {
-        outputs.insert(outputs.end(), {after.kv, after.k});
-        output_grads.insert(output_grads.end(), {after_grad.kv, after_grad.k});
-      }
-      torch::autograd::variable_list inputs;
-      if (x_grad) {
-        inputs.push_back(rows);
-      }
-      for (const auto i : trained) {
-        inputs.push_back(saved[i]);
-      }
-      if (!start.empty()) {
-        inputs.insert(inputs.end(), {start.kv, start.k});
-      }
-      auto d = torch::autograd::grad(outputs, inputs, output_grads,
-                                     /*retain_graph=*/false,
-                                     /*create_graph=*/false,
-                                     /*allow_unused=*/true);
-      size_t next = 0;
-      if (x_grad) {
-        out[0].narrow(1, begin, n).copy_(d[next++]);
-      }
-      for (const auto i : trained) {
-        auto& total = out[i];
-        auto& part = d[next++];
-        if (part.defined()) {
-          total = total.defined() ? total.add_(part) : part;
-        }
-      }
-      after_grad = LinearSums();
-      if (!start.empty()) {
-        after_grad.kv = d[next];
-        after_grad.k = d[next + 1];
-      }
-    }
-    return out;
-  }
-};
-
-/// Whether kLinear / kPerformer causal self-attention of L rows trains by
-/// segments of `rows` (CausalSegmentsFunction): with autograd, longer
-/// than a segment, the module owned by a shared_ptr (a ModuleHolder) so
-/// that the backward can keep it, φ the built-in one (a custom feature map
-/// may hold parameters the checkpoint would not see), and padding not
-/// itself requiring a gradient.
-bool trains_by_segments(const MultiHeadAttentionImpl& m, int64_t L,
-                        int64_t rows, const torch::Tensor& padding) {
-  return torch::GradMode::is_enabled() && L > rows &&
-         !m.options.feature_map() &&
-         !(padding.defined() && padding.requires_grad()) &&
-         !m.weak_from_this().expired();
 }
 
 /// The options no linear-cost kind takes (they give keys positions or
@@ -703,25 +503,10 @@ std::tuple<torch::Tensor, torch::Tensor> linear_kind_forward(
                               {}, in.batched);
     }
     if (trains_by_segments(m, L, rows, in.key_padding_mask)) {
-      auto checkpoint = c10::make_intrusive<SegmentsCheckpoint>();
-      // The module's own shared_ptr, pointing at m (Module is a virtual
-      // base of it).
-      checkpoint->module = std::shared_ptr<const MultiHeadAttentionImpl>(
-          m.shared_from_this(), &m);
-      checkpoint->padding = in.key_padding_mask;
-      checkpoint->positions = at;
-      checkpoint->rows = rows;
-      // What the recompute reads: the parameters, and the Performer's
-      // features (a buffer, saved for its version only).
-      auto tensors = m.parameters();
-      if (m.random_features.defined()) {
-        tensors.push_back(m.random_features);
-      }
-      return in_caller_layout(
-          m,
-          CausalSegmentsFunction::apply(in.query, torch::TensorList(tensors),
-                                        checkpoint),
-          {}, in.batched);
+      return in_caller_layout(m,
+                              checkpointed_forward_by_segments(
+                                  m, in.query, in.key_padding_mask, at, rows),
+                              {}, in.batched);
     }
   }
   auto p = project_inputs(m, in.query, in.key, in.value, self_attention,
