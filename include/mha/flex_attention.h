@@ -16,17 +16,27 @@
 
 #include <torch/torch.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#include "mha/fused_kernels.h"
 
 namespace mha {
 
 /// A score modification: returns the modified scores of some set of
-/// (batch, head, query, key) elements.
+/// (batch, head, query, key) elements. A small value class: either an eager
+/// function of tensors (constructible from the same callables as the
+/// std::function it once was, so existing code compiles unchanged) or a
+/// fused mod (fused_score_mod: compiled into the CPU core's tile loop, and
+/// callable with tensors everywhere else).
 ///
-/// Args:
+/// The eager form's arguments:
 ///   score: the scaled scores q·kᵀ·scale of the elements (float32 or
 ///     float64; any shape the core picks: a tile, a row block, all heads).
 ///   b, h, q_idx, kv_idx: int64 index tensors broadcastable against score:
@@ -49,17 +59,64 @@ namespace mha {
 ///                              const torch::Tensor&) {
 ///     return 30.0 * torch::tanh(score / 30.0);
 ///   };
-using ScoreMod = std::function<torch::Tensor(
-    const torch::Tensor& score, const torch::Tensor& b, const torch::Tensor& h,
-    const torch::Tensor& q_idx, const torch::Tensor& kv_idx)>;
+/// The same as a fused mod (the way to write one that needs no learned
+/// tensor; see fused_score_mod):
+///   auto softcap = mha::fused_score_mod([](auto s, auto, auto, auto, auto) {
+///     return 30 * mha::fused::tanh(s / 30);
+///   });
+class ScoreMod {
+ public:
+  /// The eager form's signature.
+  using Function = std::function<torch::Tensor(
+      const torch::Tensor& score, const torch::Tensor& b,
+      const torch::Tensor& h, const torch::Tensor& q_idx,
+      const torch::Tensor& kv_idx)>;
+
+  /// No mod.
+  ScoreMod() = default;
+  ScoreMod(std::nullptr_t) {}  // NOLINT: as std::function
+  /// An eager mod from any callable of Function's signature.
+  template <class F,
+            std::enable_if_t<!std::is_same_v<std::decay_t<F>, ScoreMod> &&
+                                 std::is_constructible_v<Function, F>,
+                             int> = 0>
+  ScoreMod(F f) : tensor_form_(std::move(f)) {}  // NOLINT: implicit
+  /// A fused mod: its tensor form and its compiled kernel (fused_score_mod
+  /// makes both).
+  ScoreMod(Function tensor_form,
+           std::shared_ptr<const detail::FusedScoreKernel> kernel)
+      : tensor_form_(std::move(tensor_form)), kernel_(std::move(kernel)) {}
+
+  /// The mod on tensors (a fused mod's tensor form). Throws c10::Error when
+  /// empty.
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const {
+    TORCH_CHECK(bool(tensor_form_), "ScoreMod: called while empty");
+    return tensor_form_(score, b, h, q_idx, kv_idx);
+  }
+  /// True unless empty.
+  explicit operator bool() const { return bool(tensor_form_); }
+  /// The compiled kernel of a fused mod, or null for an eager one.
+  const detail::FusedScoreKernel* fused() const { return kernel_.get(); }
+
+  friend bool operator==(const ScoreMod& m, std::nullptr_t) { return !m; }
+  friend bool operator!=(const ScoreMod& m, std::nullptr_t) { return bool(m); }
+
+ private:
+  Function tensor_form_;
+  std::shared_ptr<const detail::FusedScoreKernel> kernel_;
+};
 
 /// A mask predicate: bool, TRUE = the query MAY ATTEND to the key (Python
-/// FlexAttention's convention, the OPPOSITE of mha's bool masks). Indices as
-/// ScoreMod's; the result must broadcast against them. It must act element
-/// by element too: flex_attention's CPU core calls it once per query block
-/// of the block mask, on that block's partial key blocks side by side, with
-/// b (B, 1, 1, 1) and h (1, Hq, 1, 1) where the block mask is shared by the
-/// batches or heads (a mod that reads neither is evaluated once for all).
+/// FlexAttention's convention, the OPPOSITE of mha's bool masks). A value
+/// class as ScoreMod: an eager function of tensors or a fused mod
+/// (fused_mask_mod). The eager form's indices are as ScoreMod's; its result
+/// must broadcast against them. It must act element by element too:
+/// flex_attention's CPU core calls it once per query block of the block
+/// mask, on that block's partial key blocks side by side, with b (B, 1, 1,
+/// 1) and h (1, Hq, 1, 1) where the block mask is shared by the batches or
+/// heads (a mod that reads neither is evaluated once for all).
 ///
 /// Example (causal, Python `q_idx >= kv_idx`):
 ///   mha::MaskMod causal = [](const torch::Tensor&, const torch::Tensor&,
@@ -67,9 +124,124 @@ using ScoreMod = std::function<torch::Tensor(
 ///                            const torch::Tensor& kv_idx) {
 ///     return q_idx >= kv_idx;
 ///   };
-using MaskMod = std::function<torch::Tensor(
-    const torch::Tensor& b, const torch::Tensor& h, const torch::Tensor& q_idx,
-    const torch::Tensor& kv_idx)>;
+/// The same fused:
+///   auto causal = mha::fused_mask_mod(
+///       [](auto, auto, auto q, auto kv) { return q >= kv; });
+class MaskMod {
+ public:
+  /// The eager form's signature.
+  using Function = std::function<torch::Tensor(
+      const torch::Tensor& b, const torch::Tensor& h,
+      const torch::Tensor& q_idx, const torch::Tensor& kv_idx)>;
+
+  MaskMod() = default;
+  MaskMod(std::nullptr_t) {}  // NOLINT: as std::function
+  template <class F,
+            std::enable_if_t<!std::is_same_v<std::decay_t<F>, MaskMod> &&
+                                 std::is_constructible_v<Function, F>,
+                             int> = 0>
+  MaskMod(F f) : tensor_form_(std::move(f)) {}  // NOLINT: implicit
+  MaskMod(Function tensor_form,
+          std::shared_ptr<const detail::FusedMaskKernel> kernel)
+      : tensor_form_(std::move(tensor_form)), kernel_(std::move(kernel)) {}
+
+  torch::Tensor operator()(const torch::Tensor& b, const torch::Tensor& h,
+                           const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const {
+    TORCH_CHECK(bool(tensor_form_), "MaskMod: called while empty");
+    return tensor_form_(b, h, q_idx, kv_idx);
+  }
+  explicit operator bool() const { return bool(tensor_form_); }
+  /// The compiled kernel of a fused mask, or null for an eager one.
+  const detail::FusedMaskKernel* fused() const { return kernel_.get(); }
+  /// The kernel shared (and_masks / or_masks keep fused masks fused).
+  const std::shared_ptr<const detail::FusedMaskKernel>& fused_kernel() const {
+    return kernel_;
+  }
+
+  friend bool operator==(const MaskMod& m, std::nullptr_t) { return !m; }
+  friend bool operator!=(const MaskMod& m, std::nullptr_t) { return bool(m); }
+
+ private:
+  Function tensor_form_;
+  std::shared_ptr<const detail::FusedMaskKernel> kernel_;
+};
+
+namespace detail {
+/// A fused mod's result as a tensor: a TensorValue's, or a number's as a
+/// 0-dim tensor with `like`'s options (bool for a bool).
+template <class R>
+torch::Tensor fused_result(const R& r, const torch::Tensor& like) {
+  if constexpr (fused::kIsTensor<R>) {
+    return r.t;
+  } else {
+    static_assert(fused::kIsNumber<R>,
+                  "a fused mod must return a value of the mod's family");
+    if constexpr (std::is_same_v<fused::Plain<R>, bool>) {
+      return torch::scalar_tensor(r, like.options().dtype(torch::kBool));
+    } else {
+      return torch::scalar_tensor(static_cast<double>(r), like.options());
+    }
+  }
+}
+}  // namespace detail
+
+/// A fused score mod: `f(score, b, h, q_idx, kv_idx)`, every parameter
+/// `auto`, written once with + - * /, comparisons, numbers and namespace
+/// mha::fused (exp, log, tanh, sigmoid, sqrt, abs, min, max, clamp, where,
+/// lookup). The CPU core calls it inside its tile loop on a run of keys of
+/// one query row: score a fused::Pack of float32 or float64 scores, kv_idx
+/// the matching fused::IndexPack of int64 key positions, b, h (the QUERY
+/// head) and q_idx int64_t; backward instantiates it with fused::Dual
+/// numbers for its derivative by the score (ATen's convention at kinks:
+/// fused.h). Every other path calls its tensor form (f on
+/// fused::TensorValue). No `if` on an argument (use where); a captured
+/// tensor read with lookup gets no gradient (a learned table: write an
+/// eager ScoreMod). Semantics: Python FlexAttention's score_mod.
+///
+/// Example (Gemma 2's soft-capping, Python `30 * tanh(score / 30)`):
+///   auto softcap = mha::fused_score_mod([](auto s, auto, auto, auto, auto) {
+///     return 30 * mha::fused::tanh(s / 30);
+///   });
+template <class F>
+ScoreMod fused_score_mod(F f) {
+  auto kernel = std::make_shared<const detail::fused_rows::ScoreKernelOf<F>>(f);
+  ScoreMod::Function tensor_form =
+      [f](const torch::Tensor& s, const torch::Tensor& b,
+          const torch::Tensor& h, const torch::Tensor& q,
+          const torch::Tensor& kv) {
+        using fused::TensorValue;
+        return detail::fused_result(
+            f(TensorValue{s}, TensorValue{b}, TensorValue{h}, TensorValue{q},
+              TensorValue{kv}),
+            s);
+      };
+  return ScoreMod(std::move(tensor_form), std::move(kernel));
+}
+
+/// A fused mask mod: `f(b, h, q_idx, kv_idx)` -> mask, TRUE = may attend;
+/// every parameter `auto`; comparisons of indices, & | ! to combine them,
+/// lookup. As fused_score_mod: kv_idx a fused::IndexPack in the CPU core,
+/// fused::TensorValue in the tensor form. Semantics: Python FlexAttention's
+/// mask_mod.
+///
+/// Example (a sliding window of 256 keys, causal):
+///   auto window = mha::fused_mask_mod([](auto, auto, auto q, auto kv) {
+///     return (q >= kv) & (q - kv < 256);
+///   });
+template <class F>
+MaskMod fused_mask_mod(F f) {
+  auto kernel = std::make_shared<const detail::fused_rows::MaskKernelOf<F>>(f);
+  MaskMod::Function tensor_form = [f](const torch::Tensor& b,
+                                      const torch::Tensor& h,
+                                      const torch::Tensor& q,
+                                      const torch::Tensor& kv) {
+    using fused::TensorValue;
+    return detail::fused_result(
+        f(TensorValue{b}, TensorValue{h}, TensorValue{q}, TensorValue{kv}), b);
+  };
+  return MaskMod(std::move(tensor_form), std::move(kernel));
+}
 
 /// Which (query block, key block) pairs a call visits, as Python's BlockMask:
 /// for each batch b and head h (size 1 broadcasts) and query block i, the

@@ -246,10 +246,12 @@ AttentionResult blocked_attention(const torch::Tensor& query,
   // make no BLAS call) do not run: where its items call one (a score_mod,
   // or mask_mod on partial blocks not evaluated before, PartialMasks), they
   // run on ATen's or in order.
+  // Fused mods make no ATen or BLAS call: they run anywhere.
   const bool mods_in_items =
       spec.flex != nullptr &&
-      (bool(spec.flex->score_mod) ||
-       (!spec.flex->block_mask.empty() && spec.partial_masks == nullptr));
+      ((spec.flex->score_mod && spec.flex->score_mod.fused() == nullptr) ||
+       (!spec.flex->block_mask.empty() && spec.partial_masks == nullptr &&
+        spec.flex->block_mask.mask_mod.fused() == nullptr));
   spec.threads = item_threads(scores, S, onednn && !mods_in_items);
   // oneDNN's products where each runs on one core anyway: items spread
   // over either pool, and small calls in order (kSpreadScores). Larger

@@ -26,6 +26,20 @@ PartialMasksOff::~PartialMasksOff() { --partial_masks_off; }
 
 namespace {
 
+/// The allowed keys f[0, w) (0 or 1) as one run [run[0], run[1]), or
+/// run[0] = run[1] = -1 where they are not one run (memchr on the bytes).
+void run_of_flags(const uint8_t* f, int64_t w, int32_t* run) {
+  auto first = [&](int64_t from, int value) {
+    const void* at = std::memchr(f + from, value, w - from);
+    return at == nullptr ? w : static_cast<const uint8_t*>(at) - f;
+  };
+  const auto begin = first(0, 1);
+  const auto end = begin == w ? w : first(begin, 0);
+  const bool one_run = end == w || first(end, 1) == w;
+  run[0] = one_run ? static_cast<int32_t>(begin) : -1;
+  run[1] = one_run ? static_cast<int32_t>(end) : -1;
+}
+
 /// Each row's allowed keys in each partial block as one run (begin, end)
 /// of the block's keys, or (-1, -1) where they are not one run: int32
 /// (Nr, Hr, partials, rows, 2) from `allowed` (Nr, Hr, rows, width), the
@@ -47,18 +61,10 @@ torch::Tensor runs_of_flags(const torch::Tensor& allowed,
     for (int64_t j = 0; j < partials; ++j) {
       const auto w = width_of(blocks[j]);
       for (int64_t r = 0; r < rows; ++r, run += 2) {
-        // memchr on the flags' bytes (a bool is one byte, 0 or 1).
-        const auto* f = reinterpret_cast<const unsigned char*>(
-            flags + (m * rows + r) * width + col0[j]);
-        auto first = [&](int64_t from, int value) {
-          const void* at = std::memchr(f + from, value, w - from);
-          return at == nullptr ? w : static_cast<const unsigned char*>(at) - f;
-        };
-        const auto begin = first(0, 1);
-        const auto end = begin == w ? w : first(begin, 0);
-        const bool one_run = end == w || first(end, 1) == w;
-        run[0] = one_run ? static_cast<int32_t>(begin) : -1;
-        run[1] = one_run ? static_cast<int32_t>(end) : -1;
+        // (a bool is one byte, 0 or 1)
+        run_of_flags(reinterpret_cast<const uint8_t*>(
+                         flags + (m * rows + r) * width + col0[j]),
+                     w, run);
       }
     }
   }
@@ -69,7 +75,9 @@ torch::Tensor runs_of_flags(const torch::Tensor& allowed,
 
 std::shared_ptr<const PartialMasks> PartialMasks::evaluate(
     const BlockMask& mask, int64_t N, int64_t H) {
-  if (partial_masks_off.load() > 0) {
+  // A fused mask_mod costs a few instructions a key: the items evaluate it
+  // block by block (fused_partial_flags) with no flags kept.
+  if (partial_masks_off.load() > 0 || mask.mask_mod.fused() != nullptr) {
     return nullptr;
   }
   const auto& counts = mask.kv_num_blocks;
@@ -290,6 +298,66 @@ bool row_runs(const Block& block, const std::vector<PartialMasks::Flags>& flags,
   return true;
 }
 
+/// A fused score_mod on every visited column of p (rows, cols), row by
+/// row and run by run of keys; where `with_derivative` (backward), its
+/// derivative by the score into tile.raw, of p's shape.
+void fused_score_mod_block(torch::Tensor& p, const Block& block,
+                           const FusedScoreKernel& kernel, FlexTile& tile,
+                           bool with_derivative) {
+  tile.fused_derivative = with_derivative;
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "fused_score_mod", [&] {
+    auto* data = p.data_ptr<scalar_t>();
+    auto* derivative =
+        with_derivative ? tile.raw.data_ptr<scalar_t>() : nullptr;
+    const auto ld = p.stride(0);
+    for (int64_t r = 0; r < block.rows; ++r) {
+      for (const auto& span : block.spans) {
+        scalar_t* row = data + r * ld + span.col;
+        if (with_derivative) {
+          kernel.apply_with_derivative(row, derivative + r * ld + span.col,
+                                       span.cols, tile.n, tile.head,
+                                       block.row0 + r, span.key0);
+        } else {
+          kernel.apply(row, span.cols, tile.n, tile.head, block.row0 + r,
+                       span.key0);
+        }
+      }
+    }
+  });
+}
+
+/// A fused mask_mod on the partial blocks of `block`, as PartialMasks'
+/// flags (one per partial block, its first key at offset 0): each row's
+/// allowed flags and its run, in thread-local buffers that live until the
+/// thread's next block.
+void fused_partial_flags(const Block& block, const FusedMaskKernel& kernel,
+                         const FlexTile& tile,
+                         std::vector<PartialMasks::Flags>& flags) {
+  thread_local std::vector<uint8_t> allowed;
+  thread_local std::vector<int32_t> runs;
+  int64_t width = 0;
+  for (const auto& span : block.partial) {
+    width += span.cols;
+  }
+  allowed.resize(static_cast<size_t>(block.rows * width));
+  runs.resize(static_cast<size_t>(2 * block.rows * block.partial.size()));
+  int64_t col = 0;
+  for (size_t i = 0; i < block.partial.size(); ++i) {
+    const auto& span = block.partial[i];
+    uint8_t* first = allowed.data() + col;
+    int32_t* run = runs.data() + 2 * block.rows * static_cast<int64_t>(i);
+    for (int64_t r = 0; r < block.rows; ++r) {
+      kernel.allowed(first + r * width, span.cols, tile.n, tile.head,
+                     block.row0 + r, span.key0);
+      run_of_flags(first + r * width, span.cols, run + 2 * r);
+    }
+    flags[i].allowed = reinterpret_cast<const bool*>(first);
+    flags[i].stride = width;
+    flags[i].runs = run;
+    col += span.cols;
+  }
+}
+
 }  // namespace
 
 RowLimits flex_scores(torch::Tensor& p, const BlockedSpec& spec,
@@ -298,7 +366,9 @@ RowLimits flex_scores(torch::Tensor& p, const BlockedSpec& spec,
                       FlexTile& tile, bool keep_raw,
                       const torch::Tensor& lse_rows) {
   const auto& flex = *spec.flex;
-  if (flex.score_mod) {
+  if (const auto* kernel = flex.score_mod.fused(); kernel != nullptr) {
+    fused_score_mod_block(p, block, *kernel, tile, keep_raw);
+  } else if (flex.score_mod) {
     tile.index(block);
     if (keep_raw) {
       tile.raw.copy_(p);
@@ -318,7 +388,14 @@ RowLimits flex_scores(torch::Tensor& p, const BlockedSpec& spec,
       // Backward: one call gives the scores and the graph that
       // flex_score_backward differentiates.
       torch::AutoGradMode grad_mode(true);
-      auto leaf = tile.raw.narrow(0, r0, r).detach().requires_grad_();
+      // A tensor of its own over the kept scores: a view of tile.raw would
+      // share the version counter of the whole scratch buffer, which the
+      // weights, dp and ds written later bump, and a mod that saves its
+      // input (clamp, s * s) would fail in backward.
+      const auto raw = tile.raw.narrow(0, r0, r);
+      auto leaf = torch::from_blob(raw.data_ptr(), raw.sizes(), raw.strides(),
+                                   raw.options())
+                      .requires_grad_();
       auto modified = call_score_mod(flex.score_mod, leaf, tile.b, tile.h,
                                      q_idx, tile.kv_idx);
       part.copy_(modified.detach());
@@ -354,9 +431,15 @@ RowLimits flex_scores(torch::Tensor& p, const BlockedSpec& spec,
   }
   // Both come from one block mask: every partial block was evaluated. (The
   // items of such a call may run on OpenBLAS's threads, which must not run
-  // mask_mod, user code.)
+  // an eager mask_mod, user code of ATen calls.)
   TORCH_INTERNAL_ASSERT(evaluated || spec.partial_masks == nullptr,
                         "flex_scores: a partial block PartialMasks lacks");
+  if (const auto* kernel = block_mask.mask_mod.fused();
+      kernel != nullptr && !block.partial.empty()) {
+    fused_partial_flags(block, *kernel, tile, flags);
+    std::fill(offsets.begin(), offsets.end(), 0);
+    evaluated = true;
+  }
   RowLimits limits;
   limits.end0 = block.cols;
   // One run of allowed keys per row: the fused softmax's limits take the
@@ -422,6 +505,24 @@ void flex_score_backward(torch::Tensor& ds, const BlockedSpec& spec,
                          FlexTile& tile, std::vector<torch::Tensor>& captured,
                          std::mutex& lock) {
   const auto& flex = *spec.flex;
+  if (tile.fused_derivative) {
+    // ds times the fused mod's derivative, but 0 where ds is 0 (a masked
+    // score's weight is 0: no gradient, even where the mod's derivative
+    // there is not finite).
+    AT_DISPATCH_FLOATING_TYPES(ds.scalar_type(), "fused_score_backward", [&] {
+      const auto rows = ds.size(0), cols = ds.size(1);
+      auto* g = ds.data_ptr<scalar_t>();
+      const auto* d = tile.raw.data_ptr<scalar_t>();
+      const auto ld = ds.stride(0), ld_d = tile.raw.stride(0);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const scalar_t x = g[r * ld + c];
+          g[r * ld + c] = x == 0 ? scalar_t(0) : x * d[r * ld_d + c];
+        }
+      }
+    });
+    return;
+  }
   const auto chunks = tile.graph_out.size();
   // Rows whose scores score_mod ignored get no gradient.
   int64_t next = 0;

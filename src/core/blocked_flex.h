@@ -27,8 +27,11 @@ struct FlexTile {
   torch::Tensor b, h;       // () int64, made by index()
   torch::Tensor q_idx;      // (rows, 1) int64
   torch::Tensor kv_idx;     // (1, cols) int64: the key of each column
-  torch::Tensor raw;        // (rows, cols): scores before score_mod, or {}
-  torch::Tensor empty;      // (rows) bool: rows left with no key, or {}
+  // (rows, cols): scores before an eager score_mod, or, where
+  // fused_derivative, a fused score_mod's derivative at them; or {}
+  torch::Tensor raw;
+  bool fused_derivative = false;
+  torch::Tensor empty;  // (rows) bool: rows left with no key, or {}
   // Each row's run of allowed columns, where flex_scores gives them to the
   // softmax as its limits (row_runs).
   std::vector<int64_t> begins, ends;

@@ -10,6 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -78,6 +81,45 @@ void check_block_sizes(int64_t q_len, int64_t kv_len, int64_t block_q,
               block_q, ", block_kv = ", block_kv);
 }
 
+/// The block states (B, H, nq, nkv) of a fused mask_mod, from its flags one
+/// query row at a time (no tensor per block): 2 where every element of a
+/// whole block may attend, 1 where some may, 0 where none.
+void fused_block_states(const detail::FusedMaskKernel& kernel,
+                        torch::Tensor& states, int64_t q_len, int64_t kv_len,
+                        int64_t block_q, int64_t block_kv) {
+  const auto batches = states.size(0), heads = states.size(1);
+  const auto nq = states.size(2), nkv = states.size(3);
+  auto* state = states.data_ptr<int8_t>();
+  at::parallel_for(0, batches * heads * nq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> allowed(static_cast<size_t>(kv_len));
+    std::vector<uint8_t> any(static_cast<size_t>(nkv)),
+        all(static_cast<size_t>(nkv));
+    for (int64_t m = begin; m < end; ++m) {
+      const auto i = m % nq, h = m / nq % heads, b = m / nq / heads;
+      const auto row0 = i * block_q;
+      const auto rows = std::min(block_q, q_len - row0);
+      std::fill(any.begin(), any.end(), 0);
+      // A block past q_len or kv_len is never full (padded with false).
+      for (int64_t j = 0; j < nkv; ++j) {
+        all[j] = rows == block_q && (j + 1) * block_kv <= kv_len;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        kernel.allowed(allowed.data(), kv_len, b, h, row0 + r, 0);
+        for (int64_t j = 0; j < nkv; ++j) {
+          const auto k0 = j * block_kv, k1 = std::min(kv_len, k0 + block_kv);
+          for (auto k = k0; k < k1; ++k) {
+            any[j] |= allowed[k];
+            all[j] &= allowed[k];
+          }
+        }
+      }
+      for (int64_t j = 0; j < nkv; ++j) {
+        state[m * nkv + j] = static_cast<int8_t>(any[j] + (any[j] & all[j]));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 double BlockMask::sparsity() const {
@@ -116,6 +158,11 @@ BlockMask create_block_mask(MaskMod mask_mod, c10::optional<int64_t> B,
   // bools, padded with false past q_len and kv_len.
   auto padded = torch::zeros({block_q, nkv * block_kv},
                              torch::TensorOptions().dtype(torch::kBool));
+  if (const auto* kernel = mask_mod.fused(); kernel != nullptr) {
+    fused_block_states(*kernel, states, q_len, kv_len, block_q, block_kv);
+    return from_block_states(states, std::move(mask_mod), q_len, kv_len,
+                             block_q, block_kv);
+  }
   for (int64_t b = 0; b < batches; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t i = 0; i < nq; ++i) {
@@ -163,17 +210,120 @@ MaskMod fold_masks(std::vector<MaskMod> mods, bool identity,
   };
 }
 
+/// The fused form of and_masks / or_masks of fused masks: each part's
+/// flags combined, 256 keys at a time.
+class CombinedMaskKernel final : public detail::FusedMaskKernel {
+ public:
+  CombinedMaskKernel(std::vector<std::shared_ptr<const FusedMaskKernel>> parts,
+                     bool all)
+      : parts_(std::move(parts)), all_(all) {}
+  void allowed(uint8_t* allowed, int64_t n, int64_t b, int64_t h, int64_t q,
+               int64_t kv0) const override {
+    if (parts_.empty()) {
+      std::fill(allowed, allowed + n, static_cast<uint8_t>(all_ ? 1 : 0));
+      return;
+    }
+    parts_[0]->allowed(allowed, n, b, h, q, kv0);
+    constexpr int64_t kChunk = 256;
+    uint8_t other[kChunk];
+    for (size_t i = 1; i < parts_.size(); ++i) {
+      for (int64_t j = 0; j < n; j += kChunk) {
+        const auto m = std::min(kChunk, n - j);
+        parts_[i]->allowed(other, m, b, h, q, kv0 + j);
+        for (int64_t c = 0; c < m; ++c) {
+          allowed[j + c] =
+              all_ ? (allowed[j + c] & other[c]) : (allowed[j + c] | other[c]);
+        }
+      }
+    }
+  }
+
+ private:
+  std::vector<std::shared_ptr<const FusedMaskKernel>> parts_;
+  bool all_;
+};
+
+/// fold_masks, kept fused where every mod is fused.
+MaskMod combine_masks(std::vector<MaskMod> mods, bool all) {
+  std::vector<std::shared_ptr<const detail::FusedMaskKernel>> kernels;
+  for (const auto& mod : mods) {
+    if (mod.fused_kernel() != nullptr) {
+      kernels.push_back(mod.fused_kernel());
+    }
+  }
+  const bool fused = kernels.size() == mods.size();
+  auto folded =
+      fold_masks(std::move(mods), all,
+                 all ? &torch::Tensor::logical_and : &torch::Tensor::logical_or,
+                 all ? "and_masks" : "or_masks");
+  if (!fused) {
+    return folded;
+  }
+  MaskMod::Function tensor_form =
+      [folded](const torch::Tensor& b, const torch::Tensor& h,
+               const torch::Tensor& q,
+               const torch::Tensor& kv) { return folded(b, h, q, kv); };
+  return MaskMod(
+      std::move(tensor_form),
+      std::make_shared<const CombinedMaskKernel>(std::move(kernels), all));
+}
+
 }  // namespace
 
 MaskMod and_masks(std::vector<MaskMod> mods) {
-  return fold_masks(std::move(mods), true, &torch::Tensor::logical_and,
-                    "and_masks");
+  return combine_masks(std::move(mods), /*all=*/true);
 }
 
 MaskMod or_masks(std::vector<MaskMod> mods) {
-  return fold_masks(std::move(mods), false, &torch::Tensor::logical_or,
-                    "or_masks");
+  return combine_masks(std::move(mods), /*all=*/false);
 }
+
+namespace detail {
+
+int fused_cpu_level() {
+#if MHA_FUSED_X86
+  static const int level = [] {
+    const char* capability = std::getenv("ATEN_CPU_CAPABILITY");
+    const std::string cap = capability == nullptr ? "" : capability;
+    const bool avx512 =
+        __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
+    const bool avx2 = __builtin_cpu_supports("avx2") &&
+                      __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("bmi2");
+    if (cap == "default") {
+      return 0;
+    }
+    if (avx512 && cap != "avx2") {
+      return 2;
+    }
+    return avx2 ? 1 : 0;
+  }();
+  return level;
+#else
+  return 0;
+#endif
+}
+
+void rethrow_fused_error(const char* what) {
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "flex_attention: the fused ", what,
+                " threw: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "flex_attention: the fused ", what,
+                " threw: ", e.what());
+  } catch (...) {
+    TORCH_CHECK(false, "flex_attention: the fused ", what,
+                " threw an exception that is not a std::exception");
+  }
+}
+
+}  // namespace detail
 
 MaskMod noop_mask() {
   return [](const torch::Tensor& b, const torch::Tensor&, const torch::Tensor&,
@@ -201,13 +351,15 @@ torch::Tensor document_ids(const torch::Tensor& lengths) {
 
 MaskMod document_mask(const torch::Tensor& lengths, bool causal) {
   const auto doc = document_ids(lengths);
-  return
-      [doc, causal](const torch::Tensor&, const torch::Tensor&,
-                    const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
-        const auto d = doc.to(q_idx.device());
-        auto same = d.index({q_idx}).eq(d.index({kv_idx}));
-        return causal ? same.logical_and(q_idx.ge(kv_idx)) : same;
-      };
+  // A fused mask (its tensor form moves doc to the indices' device).
+  if (causal) {
+    return fused_mask_mod([doc](auto, auto, auto q, auto kv) {
+      return (fused::lookup(doc, q) == fused::lookup(doc, kv)) & (q >= kv);
+    });
+  }
+  return fused_mask_mod([doc](auto, auto, auto q, auto kv) {
+    return fused::lookup(doc, q) == fused::lookup(doc, kv);
+  });
 }
 
 BlockMask create_document_block_mask(const torch::Tensor& lengths, bool causal,
