@@ -272,18 +272,19 @@ if(NOT generation_type STREQUAL "NULL" OR NOT window_type STREQUAL "NULL" OR
           "window ${window_type}, batched_decode passed ${bd_passed}")
 endif()
 
-# Only the FlexAttention table (--quick: L = 256): five cases, each with its
-# density in (0, 1], positive times, and a built-in time where one exists.
+# Only the FlexAttention table (--quick: L = 256): nine cases (five eager,
+# four fused), each with its density in (0, 1], positive times, and a
+# built-in time where one exists.
 expect_exit(0 --quick --config 1,8,8,2 --mode inference --gemm-size 32
             --variants flex --json ${WORK_DIR}/flex.json)
 file(READ ${WORK_DIR}/flex.json flex_json)
 string(JSON window_type TYPE "${flex_json}" window)
 string(JSON flex_rows LENGTH "${flex_json}" flex)
-if(NOT window_type STREQUAL "NULL" OR NOT flex_rows EQUAL 5)
+if(NOT window_type STREQUAL "NULL" OR NOT flex_rows EQUAL 9)
   message(FATAL_ERROR "--variants flex: window ${window_type}, ${flex_rows} "
-          "flex rows (expected 5)")
+          "flex rows (expected 9)")
 endif()
-foreach(i RANGE 4)
+foreach(i RANGE 8)
   string(JSON f_case GET "${flex_json}" flex ${i} case)
   string(JSON f_density GET "${flex_json}" flex ${i} density)
   string(JSON f_fwd GET "${flex_json}" flex ${i} flex_fwd_ms)

@@ -74,6 +74,7 @@ class ScoreMod {
 
   /// No mod.
   ScoreMod() = default;
+  /// No mod (as std::function from nullptr).
   ScoreMod(std::nullptr_t) {}  // NOLINT: as std::function
   /// An eager mod from any callable of Function's signature.
   template <class F,
@@ -100,7 +101,9 @@ class ScoreMod {
   /// The compiled kernel of a fused mod, or null for an eager one.
   const detail::FusedScoreKernel* fused() const { return kernel_.get(); }
 
+  /// Empty (as std::function's comparison with nullptr).
   friend bool operator==(const ScoreMod& m, std::nullptr_t) { return !m; }
+  /// Not empty.
   friend bool operator!=(const ScoreMod& m, std::nullptr_t) { return bool(m); }
 
  private:
@@ -134,23 +137,31 @@ class MaskMod {
       const torch::Tensor& b, const torch::Tensor& h,
       const torch::Tensor& q_idx, const torch::Tensor& kv_idx)>;
 
+  /// No mask.
   MaskMod() = default;
+  /// No mask (as std::function from nullptr).
   MaskMod(std::nullptr_t) {}  // NOLINT: as std::function
+  /// An eager mask from any callable of Function's signature.
   template <class F,
             std::enable_if_t<!std::is_same_v<std::decay_t<F>, MaskMod> &&
                                  std::is_constructible_v<Function, F>,
                              int> = 0>
   MaskMod(F f) : tensor_form_(std::move(f)) {}  // NOLINT: implicit
+  /// A fused mask: its tensor form and its compiled kernel (fused_mask_mod
+  /// makes both).
   MaskMod(Function tensor_form,
           std::shared_ptr<const detail::FusedMaskKernel> kernel)
       : tensor_form_(std::move(tensor_form)), kernel_(std::move(kernel)) {}
 
+  /// The mask on tensors (a fused mask's tensor form). Throws c10::Error
+  /// when empty.
   torch::Tensor operator()(const torch::Tensor& b, const torch::Tensor& h,
                            const torch::Tensor& q_idx,
                            const torch::Tensor& kv_idx) const {
     TORCH_CHECK(bool(tensor_form_), "MaskMod: called while empty");
     return tensor_form_(b, h, q_idx, kv_idx);
   }
+  /// True unless empty.
   explicit operator bool() const { return bool(tensor_form_); }
   /// The compiled kernel of a fused mask, or null for an eager one.
   const detail::FusedMaskKernel* fused() const { return kernel_.get(); }
@@ -159,7 +170,9 @@ class MaskMod {
     return kernel_;
   }
 
+  /// Empty.
   friend bool operator==(const MaskMod& m, std::nullptr_t) { return !m; }
+  /// Not empty.
   friend bool operator!=(const MaskMod& m, std::nullptr_t) { return bool(m); }
 
  private:

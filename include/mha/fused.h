@@ -46,13 +46,13 @@ inline constexpr int kLanes = static_cast<int>(64 / sizeof(T));
 /// kLanes<T> scores (float or double).
 template <class T>
 struct Pack {
-  T v[kLanes<T>];
+  T v[kLanes<T>];  ///< the lanes
 };
 
 /// kLanes<T> key positions, int64, beside a Pack<T> of scores.
 template <class T>
 struct IndexPack {
-  int64_t v[kLanes<T>];
+  int64_t v[kLanes<T>];  ///< the lanes
 };
 
 /// The integer type of T's width: a MaskPack<T>'s lanes.
@@ -62,23 +62,24 @@ using MaskLane = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
 /// kLanes<T> masks, each lane 0 or 1 (1 = true).
 template <class T>
 struct MaskPack {
-  MaskLane<T> v[kLanes<T>];
+  MaskLane<T> v[kLanes<T>];  ///< the lanes, 0 or 1
 };
 
 /// A value and its derivative by the score (forward-mode differentiation):
 /// V is T or Pack<T>.
 template <class V>
 struct Dual {
-  V v;
-  V d;
+  V v;  ///< the value
+  V d;  ///< its derivative by the score
 };
 
 /// The tensor form's values: any tensor (scores, indices or masks).
 struct TensorValue {
-  torch::Tensor t;
+  torch::Tensor t;  ///< the tensor
 };
 
 // ------------------------------------------------------------- traits ---
+/// \cond internal
 
 template <class X>
 using Plain = std::remove_cv_t<std::remove_reference_t<X>>;
@@ -416,6 +417,8 @@ inline TensorValue operator-(const TensorValue& a) { return {-a.t}; }
 inline TensorValue operator!(const TensorValue& a) {
   return {a.t.logical_not()};
 }
+
+/// \endcond
 
 }  // namespace mha::fused
 

@@ -15,6 +15,7 @@
 namespace mha::fused {
 
 // ------------------------------------------------------ float32 lanes ---
+/// \cond internal
 
 /// The bits of x as another type of its width.
 template <class To, class From>
@@ -116,6 +117,7 @@ inline T abs_lane(T x) {
   return x < 0 ? -x : (x == 0 ? T(0) : x);  // NaN stays NaN
 }
 
+/// \endcond
 // -------------------------------------------------------- the functions ---
 
 /// The value one of the unary functions gives x of any family: a tensor's
@@ -176,10 +178,14 @@ using SelectPack = std::conditional_t<kIsScorePack<A> || kIsScorePack<B> ||
 template <class C, class A, class B>
 inline auto where(const C& cond, const A& a, const B& b) {
   if constexpr (kIsTensor<C> || kIsTensor<A> || kIsTensor<B>) {
-    const auto& c = as_tensor(
-        cond, kIsTensor<C> ? first_tensor(cond, cond) : first_tensor(a, b));
-    return TensorValue{
-        torch::where(c.to(torch::kBool), tensor_operand(a), tensor_operand(b))};
+    torch::Tensor like;
+    if constexpr (kIsTensor<C>) {
+      like = cond.t;
+    } else {
+      like = first_tensor(a, b);
+    }
+    return TensorValue{torch::where(as_tensor(cond, like).to(torch::kBool),
+                                    tensor_operand(a), tensor_operand(b))};
   } else if constexpr (kIsDual<A> || kIsDual<B>) {
     using V = DualValue<A, B>;
     const auto x = as_dual<V>(a), y = as_dual<V>(b);
@@ -296,7 +302,8 @@ inline auto clamp(const X& x, double lo, double hi) {
   } else if constexpr (kIsDual<X>) {
     using V = Plain<decltype(x.v)>;
     const auto inside = (x.v >= lo) & (x.v <= hi);
-    return Dual<V>{clamp(x.v, lo, hi), where(inside, x.d, as_value<V>(0))};
+    return Dual<V>{as_value<V>(clamp(x.v, lo, hi)),
+                   where(inside, x.d, as_value<V>(0))};
   } else {
     const auto above = where(x < lo, lo, x);
     return where(above > hi, hi, above);
@@ -375,6 +382,43 @@ inline R table_read(const TableView& view, int64_t offset) {
   }
 }
 
+}  // namespace detail
+
+/// A captured tensor made ready for lookup once (its checks and strides at
+/// construction), so that a lookup in the CPU core costs a bounds check and
+/// a load: capture `mha::fused::Table(tensor)` instead of the tensor where
+/// a mod reads it for every score (ALiBi slopes, document ids, T5 biases).
+/// Keeps the tensor alive; its tensor form reads the tensor itself.
+class Table {
+ public:
+  /// Throws c10::Error as lookup does for a table it cannot read.
+  explicit Table(torch::Tensor tensor)
+      : tensor_(std::move(tensor)),
+        view_(detail::table_view(tensor_, static_cast<int>(tensor_.dim()))) {}
+  /// The tensor.
+  const torch::Tensor& tensor() const { return tensor_; }
+  /// Its data as the CPU kernels read it.
+  const detail::TableView& view() const { return view_; }
+
+ private:
+  torch::Tensor tensor_;
+  detail::TableView view_;
+};
+
+namespace detail {
+/// A table's view: made now from a tensor (checked), or a Table's own.
+inline TableView view_of(const torch::Tensor& table, int indices) {
+  return table_view(table, indices);
+}
+inline const TableView& view_of(const Table& table, int indices) {
+  if (table.view().dims != indices) {
+    table_view(table.tensor(), indices);  // throws, naming both
+  }
+  return table.view();
+}
+inline const torch::Tensor& tensor_of(const torch::Tensor& t) { return t; }
+inline const torch::Tensor& tensor_of(const Table& t) { return t.tensor(); }
+
 template <class... I>
 inline constexpr bool kAnyTensor = (kIsTensor<I> || ...);
 template <class... I>
@@ -390,28 +434,33 @@ struct FirstPackLanes<I0, I...> {
 };
 }  // namespace detail
 
-/// table[i...]: a captured tensor read at scalar or packed indices, one
-/// index per dim of the table. Integer indices give a double; an index
-/// pack gives a Pack<T>; tensor indices (the tensor form) give
-/// table.detach()[i...] on the indices' device. No gradient flows into the
-/// table (a table that needs one: write an eager ScoreMod). The CPU forms
-/// read float32, float64, int64, int32 or bool tables in host memory.
-/// Throws c10::Error for an index out of range (naming it), a table of
-/// another dtype, device or number of dims.
-template <class... I>
-inline auto lookup(const torch::Tensor& table, const I&... i) {
+/// table[i...]: a captured tensor (or Table) read at scalar or packed indices,
+/// one index per dim of the table. Integer indices give a double; an index pack
+/// gives a Pack<T>; tensor indices (the tensor form) give table.detach()[i...]
+/// on the indices' device. No gradient flows into the table (a table that needs
+/// one: write an eager ScoreMod). The CPU forms read float32, float64, int64,
+/// int32 or bool tables in host memory. Throws c10::Error for an index out of
+/// range (naming it), a table of another dtype, device or number of dims.
+template <class Tab, class... I,
+          std::enable_if_t<std::is_same_v<Plain<Tab>, torch::Tensor> ||
+                               std::is_same_v<Plain<Tab>, Table>,
+                           int> = 0>
+inline auto lookup(const Tab& table, const I&... i) {
   static_assert(sizeof...(I) > 0, "lookup: at least one index");
   if constexpr (detail::kAnyTensor<I...>) {
     torch::Tensor like;
-    ((like = kIsTensor<I> && !like.defined() ? as_tensor(i, table) : like),
+    ((like = kIsTensor<I> && !like.defined()
+                 ? as_tensor(i, detail::tensor_of(table))
+                 : like),
      ...);
     std::vector<torch::Tensor> indices{as_tensor(i, like).to(torch::kLong)...};
     std::vector<at::indexing::TensorIndex> index(indices.begin(),
                                                  indices.end());
-    return TensorValue{table.detach().to(like.device()).index(index)};
+    return TensorValue{
+        detail::tensor_of(table).detach().to(like.device()).index(index)};
   } else if constexpr (detail::kAnyIndexPack<I...>) {
     using T = typename detail::FirstPackLanes<I...>::type;
-    const auto view = detail::table_view(table, sizeof...(I));
+    const auto& view = detail::view_of(table, sizeof...(I));
     int64_t offset[kLanes<T>] = {};
     int dim = 0;
     (
@@ -429,7 +478,7 @@ inline auto lookup(const torch::Tensor& table, const I&... i) {
     }
     return r;
   } else {
-    const auto view = detail::table_view(table, sizeof...(I));
+    const auto& view = detail::view_of(table, sizeof...(I));
     int64_t offset = 0;
     int dim = 0;
     ((offset += detail::table_offset(view, dim++, static_cast<int64_t>(i))),

@@ -350,7 +350,7 @@ torch::Tensor document_ids(const torch::Tensor& lengths) {
 }
 
 MaskMod document_mask(const torch::Tensor& lengths, bool causal) {
-  const auto doc = document_ids(lengths);
+  const fused::Table doc(document_ids(lengths));
   // A fused mask (its tensor form moves doc to the indices' device).
   if (causal) {
     return fused_mask_mod([doc](auto, auto, auto q, auto kv) {

@@ -76,18 +76,41 @@ std::vector<FlexCase> flex_cases(int64_t L, int64_t H, int64_t window,
                                 const torch::Tensor& kv) {
     return s + slopes.index({h}) * (kv - q).to(s.scalar_type());
   };
+  // The same mods fused (compiled into the tile loop, flex_attention.h).
+  const auto fused_causal = create_block_mask(
+      fused_mask_mod([](auto, auto, auto q, auto kv) { return q >= kv; }),
+      c10::nullopt, c10::nullopt, L, L, block);
+  const auto fused_window =
+      create_block_mask(fused_mask_mod([window](auto, auto, auto q, auto kv) {
+                          return (q >= kv) & (q - kv < window);
+                        }),
+                        c10::nullopt, c10::nullopt, L, L, block);
+  const auto fused_softcap = fused_score_mod(
+      [](auto s, auto, auto, auto, auto) { return 30 * fused::tanh(s / 30); });
+  const auto fused_alibi = fused_score_mod(
+      [table = fused::Table(slopes)](auto s, auto, auto h, auto q, auto kv) {
+        return s + fused::lookup(table, h) * (kv - q);
+      });
   return {
       {"causal", {}, causal_mask, core(detail::KeyPositions(true))},
+      {"causal, fused", {}, fused_causal, core(detail::KeyPositions(true))},
       {"window " + std::to_string(window),
        {},
        create_block_mask(window_mod, c10::nullopt, c10::nullopt, L, L, block),
        core(windowed)},
+      {"window " + std::to_string(window) + ", fused",
+       {},
+       fused_window,
+       core(windowed)},
+      // document_mask is a fused mask.
       {std::to_string(lengths.size(0)) + " documents, causal",
        {},
        create_document_block_mask(lengths, true, block),
        {}},
       {"soft-cap 30 + causal", softcap, causal_mask, {}},
+      {"soft-cap, fused", fused_softcap, fused_causal, {}},
       {"ALiBi + causal", alibi_mod, causal_mask, core(alibi)},
+      {"ALiBi, fused", fused_alibi, fused_causal, core(alibi)},
   };
 }
 
