@@ -203,7 +203,8 @@ torch::Tensor fused_result(const R& r, const torch::Tensor& like) {
 /// `auto`, written once with + - * /, comparisons, numbers and namespace
 /// mha::fused (exp, log, tanh, sigmoid, sqrt, abs, min, max, clamp, where,
 /// lookup). The CPU core calls it inside its tile loop on a run of keys of
-/// one query row: score a fused::Pack of float32 or float64 scores, kv_idx
+/// one query row, key by key in a loop the compiler vectorises: score a
+/// float32 or float64 score (fused::Pack in pack form), kv_idx
 /// the matching fused::IndexPack of int64 key positions, b, h (the QUERY
 /// head) and q_idx int64_t; backward instantiates it with fused::Dual
 /// numbers for its derivative by the score (ATen's convention at kinks:

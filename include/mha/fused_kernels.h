@@ -5,8 +5,8 @@
 // (flex_attention.h; the core: src/core/blocked_flex.cpp).
 //
 // A row kernel runs the mod over a run of keys kv0, kv0 + 1, ... of one
-// query row, a pack at a time, on scores already in cache: the mod costs a
-// few vector instructions a score. Speed in the user's build (no -march):
+// query row, one key at a time in a loop the compiler vectorises, on scores
+// already in cache: the mod costs a few vector instructions a score. Speed in the user's build (no -march):
 // each kernel is compiled three times, for AVX-512 (F, DQ, BW, VL), for
 // AVX2 + FMA and for the baseline, through the compiler's target
 // attributes, and the widest the CPU runs is picked once (GCC and Clang on
