@@ -204,9 +204,8 @@ torch::Tensor fused_result(const R& r, const torch::Tensor& like) {
 /// mha::fused (exp, log, tanh, sigmoid, sqrt, abs, min, max, clamp, where,
 /// lookup). The CPU core calls it inside its tile loop on a run of keys of
 /// one query row, key by key in a loop the compiler vectorises: score a
-/// float32 or float64 score (fused::Pack in pack form), kv_idx
-/// the matching fused::IndexPack of int64 key positions, b, h (the QUERY
-/// head) and q_idx int64_t; backward instantiates it with fused::Dual
+/// float32 or float64 score, kv_idx, b, h (the QUERY head) and q_idx
+/// int64_t (the fused::Pack types take the same lambda); backward instantiates it with fused::Dual
 /// numbers for its derivative by the score (ATen's convention at kinks:
 /// fused.h). Every other path calls its tensor form (f on
 /// fused::TensorValue). No `if` on an argument (use where); a captured
