@@ -79,21 +79,6 @@ int fused_cpu_level();
 namespace fused_rows {
 
 using mha::fused::Dual;
-using mha::fused::IndexPack;
-using mha::fused::kLanes;
-using mha::fused::MaskPack;
-using mha::fused::Pack;
-
-/// The indices of a pack of keys from kv0 + j; lanes past n repeat the last
-/// key, so that a mod's lookups stay in range there.
-template <class T>
-inline IndexPack<T> keys_from(int64_t kv0, int64_t j, int64_t n) {
-  IndexPack<T> kv;
-  for (int i = 0; i < kLanes<T>; ++i) {
-    kv.v[i] = kv0 + (j + i < n ? j + i : n - 1);
-  }
-  return kv;
-}
 
 // Each kernel is one loop over the run with the mod instantiated on plain
 // numbers (a score, its key's int64 position): the compiler's loop
