@@ -134,12 +134,15 @@ void check_against_reference(const Inputs& in, const ScoreMod& score_mod,
                              const BlockMask& block_mask,
                              c10::optional<double> scale, bool gqa,
                              std::vector<torch::Tensor> captured,
-                             const std::string& what) {
+                             const std::string& what,
+                             const ScoreMod& reference_score_mod = {}) {
   const double factor =
       scale.value_or(1.0 / std::sqrt(static_cast<double>(in.q.size(3))));
   auto [out, lse] = mha::flex_attention(in.q, in.k, in.v, score_mod, block_mask,
                                         scale, gqa, /*return_lse=*/true);
-  auto ref = reference(in.q, in.k, in.v, score_mod, mask_mod, factor);
+  auto ref = reference(in.q, in.k, in.v,
+                       reference_score_mod ? reference_score_mod : score_mod,
+                       mask_mod, factor);
   const bool f32 = in.q.scalar_type() == torch::kFloat32;
   auto close = [&](const torch::Tensor& a, const torch::Tensor& e,
                    const std::string& name) {
@@ -190,6 +193,68 @@ struct FixtureMods {
   ScoreMod score_mod;
   MaskMod mask_mod;
 };
+/// The same mods as fused mods (mha::fused_score_mod / fused_mask_mod)
+/// where they hold no learned tensor; null where the fixture has none or
+/// its mod is learned (the relative bias table, whose gradient is checked).
+FixtureMods fused_fixture_mods(
+    const nlohmann::json& f,
+    torch::OrderedDict<std::string, torch::Tensor>& data) {
+  using mha::fused_mask_mod;
+  using mha::fused_score_mod;
+  namespace fused = mha::fused;
+  FixtureMods mods;
+  const auto& score = f.at("score_mod");
+  const auto kind = score.at("kind").get<std::string>();
+  if (kind == "softcap") {
+    const double cap = score.at("cap").get<double>();
+    mods.score_mod = fused_score_mod([cap](auto s, auto, auto, auto, auto) {
+      return cap * fused::tanh(s / cap);
+    });
+  } else if (kind == "alibi") {
+    mods.score_mod =
+        fused_score_mod([slopes = fused::Table(data["alibi_slopes"])](
+                            auto s, auto, auto h, auto q, auto kv) {
+          return s + fused::lookup(slopes, h) * (kv - q);
+        });
+  }
+  const auto& mask = f.at("mask_mod");
+  if (mask.is_null()) {
+    return mods;
+  }
+  const auto m = mask.at("kind").get<std::string>();
+  if (m == "causal") {
+    mods.mask_mod =
+        fused_mask_mod([](auto, auto, auto q, auto kv) { return q >= kv; });
+  } else if (m == "sliding_window") {
+    const auto W = mask.at("window").get<int64_t>();
+    mods.mask_mod = fused_mask_mod(
+        [W](auto, auto, auto q, auto kv) { return (q >= kv) & (q - kv < W); });
+  } else if (m == "prefix_lm") {
+    const auto P = mask.at("prefix").get<int64_t>();
+    mods.mask_mod = fused_mask_mod(
+        [P](auto, auto, auto q, auto kv) { return (kv < P) | (q >= kv); });
+  } else if (m == "document") {
+    mods.mask_mod =
+        mha::document_mask(data["doc_lengths"], mask.at("causal").get<bool>());
+  } else if (m == "per_head_causal_window") {
+    const auto W = mask.at("window").get<int64_t>();
+    mods.mask_mod = fused_mask_mod([W](auto, auto h, auto q, auto kv) {
+      return (q >= kv) & ((h % 2 == 0) | (q - kv < W));
+    });
+  } else if (m == "key_lengths") {
+    mods.mask_mod =
+        fused_mask_mod([lengths = fused::Table(data["key_lengths"])](
+                           auto b, auto, auto, auto kv) {
+          return kv < fused::lookup(lengths, b);
+        });
+  } else if (m == "fully_masked_rows") {
+    const auto R = mask.at("rows_from").get<int64_t>();
+    mods.mask_mod = fused_mask_mod(
+        [R](auto, auto, auto q, auto kv) { return (q < R) & (q >= kv); });
+  }
+  return mods;
+}
+
 FixtureMods fixture_mods(const nlohmann::json& f,
                          torch::OrderedDict<std::string, torch::Tensor>& data) {
   FixtureMods mods;
@@ -251,68 +316,89 @@ FixtureMods fixture_mods(const nlohmann::json& f,
 
 // Python PyTorch 2.14's flex_attention (eager) on the same inputs: output,
 // lse and the block mask's tensors and sparsity; gradients against the
-// float64 reference (Python has no CPU backward to record).
+// float64 reference (Python has no CPU backward to record). Twice: the mods
+// written eagerly, then as fused mods where they hold no learned tensor
+// (the reference keeps the eager ones).
 TEST_F(FlexAttention, MatchesPythonFixtures) {
   std::ifstream in(fixtures::path("flex/flex.json"));
   ASSERT_TRUE(in.is_open()) << "tests/fixtures/flex/flex.json";
   const auto index = nlohmann::json::parse(in);
   ASSERT_GE(index.at("fixtures").size(), 13u);
-  for (const auto& f : index.at("fixtures")) {
-    const auto name = f.at("name").get<std::string>();
-    SCOPED_TRACE(name);
-    auto data = mha::read_state_dict(
-        fixtures::path("flex/" + f.at("data").get<std::string>()));
-    auto mods = fixture_mods(f, data);
-    BlockMask mask;
-    if (mods.mask_mod) {
-      auto opt = [&](const char* key) -> c10::optional<int64_t> {
-        return f.at(key).is_null()
-                   ? c10::nullopt
-                   : c10::optional<int64_t>(f.at(key).get<int64_t>());
-      };
-      mask = mha::create_block_mask(
-          mods.mask_mod, opt("mask_B"), opt("mask_H"), f.at("L").get<int64_t>(),
-          f.at("S").get<int64_t>(), f.at("block_q").get<int64_t>(),
-          f.at("block_kv").get<int64_t>());
-      const std::vector<std::pair<const char*, torch::Tensor>> tensors{
-          {"kv_num_blocks", mask.kv_num_blocks},
-          {"kv_indices", mask.kv_indices},
-          {"full_kv_num_blocks", mask.full_kv_num_blocks},
-          {"full_kv_indices", mask.full_kv_indices}};
-      for (const auto& [t, mine] : tensors) {
-        EXPECT_TRUE(mine.equal(data[t].to(torch::kInt)))
-            << t << ": " << mine.sizes() << " vs " << data[t].sizes();
+  int fused_mods = 0;
+  for (const bool fused : {false, true}) {
+    for (const auto& f : index.at("fixtures")) {
+      const auto name =
+          f.at("name").get<std::string>() + (fused ? " (fused)" : "");
+      SCOPED_TRACE(name);
+      auto data = mha::read_state_dict(
+          fixtures::path("flex/" + f.at("data").get<std::string>()));
+      const auto eager = fixture_mods(f, data);
+      auto mods = eager;
+      if (fused) {
+        const auto fused_mods_of_f = fused_fixture_mods(f, data);
+        if (fused_mods_of_f.score_mod) {
+          mods.score_mod = fused_mods_of_f.score_mod;
+          ++fused_mods;
+        }
+        if (fused_mods_of_f.mask_mod) {
+          mods.mask_mod = fused_mods_of_f.mask_mod;
+          ++fused_mods;
+        }
       }
-      EXPECT_NEAR(mask.sparsity(), f.at("sparsity").get<double>(), 1e-9);
-    }
-    c10::optional<double> scale;
-    if (!f.at("scale").is_null()) {
-      scale = f.at("scale").get<double>();
-    }
-    const bool gqa = f.at("enable_gqa").get<bool>();
-    auto [out, lse] =
-        mha::flex_attention(data["query"], data["key"], data["value"],
-                            mods.score_mod, mask, scale, gqa, true);
-    expect_hf_close(out, data["output"], name + " output");
-    auto lse_ref = data["lse"].to(torch::kFloat64);
-    auto lse64 = lse.to(torch::kFloat64);
-    EXPECT_TRUE(lse64.isinf().equal(lse_ref.isinf())) << "lse infinities";
-    expect_hf_close(lse64.masked_fill(lse64.isinf(), 0.0),
-                    lse_ref.masked_fill(lse_ref.isinf(), 0.0), name + " lse");
-    // Gradients (and the captured table's) against the float64 reference.
-    Inputs grads{data["query"].clone().requires_grad_(),
-                 data["key"].clone().requires_grad_(),
-                 data["value"].clone().requires_grad_()};
-    std::vector<torch::Tensor> captured;
-    for (const char* t : {"alibi_slopes", "rel_bias"}) {
-      if (data.contains(t)) {
-        data[t].requires_grad_();
-        captured.push_back(data[t]);
+      BlockMask mask;
+      if (mods.mask_mod) {
+        auto opt = [&](const char* key) -> c10::optional<int64_t> {
+          return f.at(key).is_null()
+                     ? c10::nullopt
+                     : c10::optional<int64_t>(f.at(key).get<int64_t>());
+        };
+        mask = mha::create_block_mask(
+            mods.mask_mod, opt("mask_B"), opt("mask_H"),
+            f.at("L").get<int64_t>(), f.at("S").get<int64_t>(),
+            f.at("block_q").get<int64_t>(), f.at("block_kv").get<int64_t>());
+        const std::vector<std::pair<const char*, torch::Tensor>> tensors{
+            {"kv_num_blocks", mask.kv_num_blocks},
+            {"kv_indices", mask.kv_indices},
+            {"full_kv_num_blocks", mask.full_kv_num_blocks},
+            {"full_kv_indices", mask.full_kv_indices}};
+        for (const auto& [t, mine] : tensors) {
+          EXPECT_TRUE(mine.equal(data[t].to(torch::kInt)))
+              << t << ": " << mine.sizes() << " vs " << data[t].sizes();
+        }
+        EXPECT_NEAR(mask.sparsity(), f.at("sparsity").get<double>(), 1e-9);
       }
+      c10::optional<double> scale;
+      if (!f.at("scale").is_null()) {
+        scale = f.at("scale").get<double>();
+      }
+      const bool gqa = f.at("enable_gqa").get<bool>();
+      auto [out, lse] =
+          mha::flex_attention(data["query"], data["key"], data["value"],
+                              mods.score_mod, mask, scale, gqa, true);
+      expect_hf_close(out, data["output"], name + " output");
+      auto lse_ref = data["lse"].to(torch::kFloat64);
+      auto lse64 = lse.to(torch::kFloat64);
+      EXPECT_TRUE(lse64.isinf().equal(lse_ref.isinf())) << "lse infinities";
+      expect_hf_close(lse64.masked_fill(lse64.isinf(), 0.0),
+                      lse_ref.masked_fill(lse_ref.isinf(), 0.0), name + " lse");
+      // Gradients (and the captured table's, where the mod is eager)
+      // against the float64 reference.
+      Inputs grads{data["query"].clone().requires_grad_(),
+                   data["key"].clone().requires_grad_(),
+                   data["value"].clone().requires_grad_()};
+      std::vector<torch::Tensor> captured;
+      for (const char* t : {"alibi_slopes", "rel_bias"}) {
+        if (data.contains(t) && !(fused && std::string(t) == "alibi_slopes")) {
+          data[t].requires_grad_();
+          captured.push_back(data[t]);
+        }
+      }
+      check_against_reference(grads, mods.score_mod, eager.mask_mod, mask,
+                              scale, gqa, captured, name, eager.score_mod);
     }
-    check_against_reference(grads, mods.score_mod, mods.mask_mod, mask, scale,
-                            gqa, captured, name);
   }
+  // Every fixture's mask and its score mod but the learned table are fused.
+  EXPECT_GE(fused_mods, 20);
 }
 
 TEST_F(FlexAttention, MasksAndModsMatchTheDenseReferenceWithGradients) {
