@@ -91,7 +91,9 @@ struct Case {
   /// packed documents, causal, as create_document_block_mask; the
   /// references get the same mask as a float attn_mask), "softcap" (the
   /// module's score_mod: 2 · tanh(score / 2), with is_causal), "alibi"
-  /// (ALiBi's bias as a score_mod capturing the slopes, with is_causal).
+  /// (ALiBi's bias as a score_mod capturing the slopes, with is_causal);
+  /// "block-causal-fused", "softcap-fused", "alibi-fused": the same as
+  /// fused mods (fused_mask_mod / fused_score_mod).
   /// torch::nn is the reference where it computes the same (block-causal,
   /// documents), the float64 reference (which applies the score_mod) always.
   std::string flex;

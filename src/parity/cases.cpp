@@ -218,6 +218,26 @@ std::vector<Case> default_cases() {
     c.flex = "alibi";
     c.average_attn_weights = false;
   });
+  // The same as fused mods (mha::fused_score_mod / fused_mask_mod): the
+  // module's CPU core runs them in its tile loop.
+  add_case("flex-block-causal-fused", [](Case& c) {
+    c.self_attention = true;
+    c.tgt_len = 20;
+    c.flex = "block-causal-fused";
+  });
+  add_case("flex-softcap-causal-fused", [](Case& c) {
+    c.self_attention = true;
+    c.tgt_len = 12;
+    c.is_causal = true;
+    c.flex = "softcap-fused";
+  });
+  add_case("flex-alibi-causal-per-head-fused", [](Case& c) {
+    c.self_attention = true;
+    c.tgt_len = 12;
+    c.is_causal = true;
+    c.flex = "alibi-fused";
+    c.average_attn_weights = false;
+  });
   return cases;
 }
 

@@ -394,6 +394,15 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
                           const torch::Tensor& kv) {
       return s + slopes.index({h}) * (kv - q).to(s.scalar_type());
     });
+  } else if (c.flex == "softcap-fused") {
+    options.score_mod(fused_score_mod(
+        [](auto s, auto, auto, auto, auto) { return 2 * fused::tanh(s / 2); }));
+  } else if (c.flex == "alibi-fused") {
+    options.score_mod(
+        fused_score_mod([slopes = fused::Table(alibi_slopes(H))](
+                            auto s, auto, auto h, auto q, auto kv) {
+          return s + fused::lookup(slopes, h) * (kv - q);
+        }));
   }
   MultiHeadAttention ours(options);
   {
@@ -430,6 +439,11 @@ CaseResult run_case(const Case& c, const torch::Device& device, uint64_t seed) {
            const torch::Tensor& kv) { return q.ge(kv); },
         c10::nullopt, c10::nullopt, L, S, /*block_q=*/8);
     in.is_causal = true;  // the references' equivalent
+  } else if (c.flex == "block-causal-fused") {
+    block_mask = create_block_mask(
+        fused_mask_mod([](auto, auto, auto q, auto kv) { return q >= kv; }),
+        c10::nullopt, c10::nullopt, L, S, /*block_q=*/8);
+    in.is_causal = true;
   } else if (c.flex == "documents") {
     TORCH_CHECK(L == S && L > 3, "parity case ", c.name,
                 ": documents need self-attention with L > 3");
