@@ -484,6 +484,40 @@ TEST_F(FusedMods, ErrorsAndNaN) {
   EXPECT_THROW_MSG(
       mha::create_block_mask(bad_mask, c10::nullopt, c10::nullopt, 300, 300),
       "fused mask_mod threw");
+  // The same through a Table: the kernels report it after the run of keys.
+  const auto bad_table = mha::fused_score_mod(
+      [t = fused::Table(table)](auto s, auto, auto, auto, auto kv) {
+        return s + fused::lookup(t, kv);
+      });
+  EXPECT_THROW_MSG(mha::flex_attention(q, q, q, bad_table),
+                   "read a mha::fused::Table at an index out of range");
+  const auto bad_table_mask = mha::fused_mask_mod(
+      [t = fused::Table(table)](auto, auto, auto q_idx, auto) {
+        return fused::lookup(t, q_idx) == 0;
+      });
+  EXPECT_THROW_MSG(mha::create_block_mask(bad_table_mask, c10::nullopt,
+                                          c10::nullopt, 300, 300),
+                   "fused mask_mod read a mha::fused::Table");
+  // And in backward (the derivative's kernel).
+  {
+    const auto leaf = q.clone().requires_grad_();
+    const auto late =
+        mha::fused_score_mod([t = fused::Table(torch::zeros({300}))](
+                                 auto s, auto, auto, auto, auto kv) {
+          return s + fused::lookup(t, kv);
+        });
+    EXPECT_NO_THROW(
+        std::get<0>(mha::flex_attention(leaf, q, q, late)).sum().backward());
+  }
+  // A lookup in range after one out of range on the same thread is not
+  // blamed for it.
+  EXPECT_NEAR(fused::lookup(fused::Table(torch::ones({3})), 5), 1.0, 0.0);
+  EXPECT_NO_THROW(mha::flex_attention(
+      q, q, q,
+      mha::fused_score_mod([t = fused::Table(torch::zeros({300}))](
+                               auto s, auto, auto, auto, auto kv) {
+        return s + fused::lookup(t, kv);
+      })));
   // NaN the mod produces stays visible.
   const auto nan = mha::fused_score_mod([](auto s, auto, auto, auto i, auto) {
     return fused::where(i == 7, s * NAN, s);

@@ -6,12 +6,12 @@
 //
 // A row kernel runs the mod over a run of keys kv0, kv0 + 1, ... of one
 // query row, one key at a time in a loop the compiler vectorises, on scores
-// already in cache: the mod costs a few vector instructions a score. Speed in the user's build (no -march):
-// each kernel is compiled three times, for AVX-512 (F, DQ, BW, VL), for
-// AVX2 + FMA and for the baseline, through the compiler's target
-// attributes, and the widest the CPU runs is picked once (GCC and Clang on
-// x86-64; other compilers and CPUs get the baseline only). `flatten`
-// inlines the lambda and the math into each of them.
+// already in cache: the mod costs a few vector instructions a score. Speed in
+// the user's build (no -march): each kernel is compiled three times, for
+// AVX-512 (F, DQ, BW, VL), for AVX2 + FMA and for the baseline, through the
+// compiler's target attributes, and the widest the CPU runs is picked once (GCC
+// and Clang on x86-64; other compilers and CPUs get the baseline only).
+// `flatten` inlines the lambda and the math into each of them.
 #pragma once
 
 #include <torch/torch.h>
@@ -76,6 +76,11 @@ int fused_cpu_level();
 /// kind) and its message.
 [[noreturn]] void rethrow_fused_error(const char* what);
 
+/// Throws the c10::Error of a Table lookup out of range in the fused mod of
+/// kind `what` (see mha::fused::lookup), on query row q, keys [kv0, kv0 + n).
+[[noreturn]] void table_index_error(const char* what, int64_t q, int64_t kv0,
+                                    int64_t n);
+
 namespace fused_rows {
 
 using mha::fused::Dual;
@@ -97,8 +102,8 @@ inline void score_rows_with_derivative(const F& f, T* s, T* d, int64_t n,
                                        int64_t b, int64_t h, int64_t q,
                                        int64_t kv0) {
   for (int64_t j = 0; j < n; ++j) {
-    const auto r = mha::fused::as_dual<T>(
-        f(Dual<T>{s[j], T(1)}, b, h, q, kv0 + j));
+    const auto r =
+        mha::fused::as_dual<T>(f(Dual<T>{s[j], T(1)}, b, h, q, kv0 + j));
     s[j] = r.v;
     d[j] = r.d;
   }
@@ -158,28 +163,34 @@ class ScoreKernelOf final : public FusedScoreKernel {
   explicit ScoreKernelOf(F f) : f_(std::move(f)) {}
   void apply(float* s, int64_t n, int64_t b, int64_t h, int64_t q,
              int64_t kv0) const override {
-    run([&] { MHA_FUSED_DISPATCH(score, f_, s, n, b, h, q, kv0) });
+    run([&] { MHA_FUSED_DISPATCH(score, f_, s, n, b, h, q, kv0) }, q, kv0, n);
   }
   void apply(double* s, int64_t n, int64_t b, int64_t h, int64_t q,
              int64_t kv0) const override {
-    run([&] { MHA_FUSED_DISPATCH(score, f_, s, n, b, h, q, kv0) });
+    run([&] { MHA_FUSED_DISPATCH(score, f_, s, n, b, h, q, kv0) }, q, kv0, n);
   }
   void apply_with_derivative(float* s, float* d, int64_t n, int64_t b,
                              int64_t h, int64_t q, int64_t kv0) const override {
-    run([&] { MHA_FUSED_DISPATCH(derivative, f_, s, d, n, b, h, q, kv0) });
+    run([&] { MHA_FUSED_DISPATCH(derivative, f_, s, d, n, b, h, q, kv0) }, q,
+        kv0, n);
   }
   void apply_with_derivative(double* s, double* d, int64_t n, int64_t b,
                              int64_t h, int64_t q, int64_t kv0) const override {
-    run([&] { MHA_FUSED_DISPATCH(derivative, f_, s, d, n, b, h, q, kv0) });
+    run([&] { MHA_FUSED_DISPATCH(derivative, f_, s, d, n, b, h, q, kv0) }, q,
+        kv0, n);
   }
 
  private:
   template <class Body>
-  static void run(const Body& body) {
+  static void run(const Body& body, int64_t q, int64_t kv0, int64_t n) {
+    mha::fused::detail::table_index_missed = 0;
     try {
       body();
     } catch (...) {
       rethrow_fused_error("score_mod");
+    }
+    if (mha::fused::detail::table_index_missed != 0) {
+      table_index_error("score_mod", q, kv0, n);
     }
   }
   F f_;
@@ -192,10 +203,14 @@ class MaskKernelOf final : public FusedMaskKernel {
   explicit MaskKernelOf(F f) : f_(std::move(f)) {}
   void allowed(uint8_t* allowed, int64_t n, int64_t b, int64_t h, int64_t q,
                int64_t kv0) const override {
+    mha::fused::detail::table_index_missed = 0;
     try {
       MHA_FUSED_DISPATCH(mask, f_, allowed, n, b, h, q, kv0)
     } catch (...) {
       rethrow_fused_error("mask_mod");
+    }
+    if (mha::fused::detail::table_index_missed != 0) {
+      table_index_error("mask_mod", q, kv0, n);
     }
   }
 

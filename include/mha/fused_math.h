@@ -10,7 +10,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
+#include <vector>
 
 namespace mha::fused {
 
@@ -364,6 +366,23 @@ inline int64_t table_offset(const TableView& view, int dim, int64_t i) {
   return i * view.strides[dim];
 }
 
+/// Not 0 after a lookup of a Table at a plain index out of range on this
+/// thread (which then reads offset 0): the CPU kernels clear it before each
+/// run of keys and raise the error after it (fused_kernels.h), so that the
+/// loop over keys has no branch and stays vectorised. (uint16_t: GCC 12
+/// keeps neither a bool's nor an int's OR in a vector register there.)
+inline thread_local uint16_t table_index_missed = 0;
+
+/// table_offset without a branch: offset 0 and table_index_missed set for an
+/// index out of range. (The stride is read either way: a load under a
+/// condition is not vectorised.)
+inline int64_t table_offset_or_miss(const TableView& view, int dim, int64_t i) {
+  const bool inside =
+      static_cast<uint64_t>(i) < static_cast<uint64_t>(view.sizes[dim]);
+  table_index_missed |= static_cast<uint16_t>(!inside);
+  return (inside ? i : 0) * view.strides[dim];
+}
+
 template <class R>
 inline R table_read(const TableView& view, int64_t offset) {
   switch (view.dtype) {
@@ -384,25 +403,47 @@ inline R table_read(const TableView& view, int64_t offset) {
 
 }  // namespace detail
 
-/// A captured tensor made ready for lookup once (its checks and strides at
-/// construction), so that a lookup in the CPU core costs a bounds check and
-/// a load: capture `mha::fused::Table(tensor)` instead of the tensor where
-/// a mod reads it for every score (ALiBi slopes, document ids, T5 biases).
-/// Keeps the tensor alive; its tensor form reads the tensor itself.
+/// A captured tensor made ready for lookup once (its checks, and a
+/// contiguous float64 copy of its values, at construction), so that a
+/// lookup by plain indices in the CPU core costs a bounds check and a load
+/// of one type, which the compiler hoists out of the loop over keys where
+/// the indices do not change along it (a head's slope): capture
+/// `mha::fused::Table(tensor)` instead of the tensor where a mod reads it
+/// for every score (ALiBi slopes, document ids, T5 biases). Keeps the
+/// tensor alive (a later change to it is not seen by the copy); its tensor
+/// form reads the tensor itself.
 class Table {
  public:
   /// Throws c10::Error as lookup does for a table it cannot read.
   explicit Table(torch::Tensor tensor)
       : tensor_(std::move(tensor)),
-        view_(detail::table_view(tensor_, static_cast<int>(tensor_.dim()))) {}
+        view_(detail::table_view(tensor_, static_cast<int>(tensor_.dim()))) {
+    const auto dense = tensor_.detach().to(torch::kDouble).contiguous();
+    values_ = std::make_shared<const std::vector<double>>(
+        dense.data_ptr<double>(), dense.data_ptr<double>() + dense.numel());
+    data_ = values_->data();
+    dense_ = view_;
+    int64_t stride = 1;
+    for (int d = view_.dims - 1; d >= 0; --d) {
+      dense_.strides[d] = stride;
+      stride *= view_.sizes[d];
+    }
+  }
   /// The tensor.
   const torch::Tensor& tensor() const { return tensor_; }
   /// Its data as the CPU kernels read it.
   const detail::TableView& view() const { return view_; }
+  /// Its values as float64, contiguous (the strides of dense_view()).
+  const double* values() const { return data_; }
+  /// The sizes and contiguous strides of values().
+  const detail::TableView& dense_view() const { return dense_; }
 
  private:
   torch::Tensor tensor_;
   detail::TableView view_;
+  detail::TableView dense_;
+  std::shared_ptr<const std::vector<double>> values_;
+  const double* data_ = nullptr;  // values_'s, one load away
 };
 
 namespace detail {
@@ -410,9 +451,17 @@ namespace detail {
 inline TableView view_of(const torch::Tensor& table, int indices) {
   return table_view(table, indices);
 }
+/// Throws the error of a lookup with `indices` indices in `table`, whose
+/// number of dims differs.
+[[noreturn]] inline void wrong_number_of_indices(const Table& table,
+                                                 int indices) {
+  table_view(table.tensor(), indices);  // throws, naming both
+  std::abort();
+}
 inline const TableView& view_of(const Table& table, int indices) {
   if (table.view().dims != indices) {
-    table_view(table.tensor(), indices);  // throws, naming both
+    // noreturn: the compiler may keep the check out of a loop over keys.
+    wrong_number_of_indices(table, indices);
   }
   return table.view();
 }
@@ -440,7 +489,11 @@ struct FirstPackLanes<I0, I...> {
 /// on the indices' device. No gradient flows into the table (a table that needs
 /// one: write an eager ScoreMod). The CPU forms read float32, float64, int64,
 /// int32 or bool tables in host memory. Throws c10::Error for an index out of
-/// range (naming it), a table of another dtype, device or number of dims.
+/// range (naming it), a table of another dtype, device or number of dims;
+/// but a Table read at plain indices, the form the CPU core's kernels run,
+/// reads element 0 for an index out of range and the kernel raises the
+/// c10::Error after its run of keys (naming the mod and the query row):
+/// called by hand, check such indices first.
 template <class Tab, class... I,
           std::enable_if_t<std::is_same_v<Plain<Tab>, torch::Tensor> ||
                                std::is_same_v<Plain<Tab>, Table>,
@@ -477,6 +530,15 @@ inline auto lookup(const Tab& table, const I&... i) {
       r.v[l] = detail::table_read<T>(view, offset[l]);
     }
     return r;
+  } else if constexpr (std::is_same_v<Plain<Tab>, Table>) {
+    // The float64 copy: one type to load (see Table).
+    detail::view_of(table, sizeof...(I));  // checks the number of indices
+    int64_t offset = 0;
+    int dim = 0;
+    ((offset += detail::table_offset_or_miss(table.dense_view(), dim++,
+                                             static_cast<int64_t>(i))),
+     ...);
+    return table.values()[offset];
   } else {
     const auto& view = detail::view_of(table, sizeof...(I));
     int64_t offset = 0;

@@ -323,6 +323,13 @@ void rethrow_fused_error(const char* what) {
   }
 }
 
+void table_index_error(const char* what, int64_t q, int64_t kv0, int64_t n) {
+  TORCH_CHECK(false, "flex_attention: the fused ", what,
+              " read a mha::fused::Table at an index out of range (lookup) "
+              "on query row ",
+              q, ", keys ", kv0, " to ", kv0 + n - 1);
+}
+
 }  // namespace detail
 
 MaskMod noop_mask() {
