@@ -51,8 +51,9 @@ int main(int argc, char** argv) {
   const auto k = torch::randn({1, 8, L, 64});
   const auto v = torch::randn({1, 8, L, 64});
 
-  // Written once: the CPU core runs these on packs of scores in its tile
-  // loop; backward gets the derivative from dual numbers.
+  // Written once: the CPU core runs these on each run of scores in its tile
+  // loop, compiled here (the compiler vectorises the loop); backward gets
+  // the derivative from dual numbers.
   const auto softcap = mha::fused_score_mod([](auto s, auto, auto, auto, auto) {
     return 30 * mha::fused::tanh(s / 30);
   });
