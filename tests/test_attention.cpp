@@ -2195,8 +2195,11 @@ TEST(AttentionPathTest, CallsTakeTheChosenPath) {
       {"plain, large", q_large, k_large, false, 0.0, "blocked"},
       {"weights", q, q, true, 0.0, "blocked"},
       {"dropout", q, q, false, 0.5, fused ? "fused" : "explicit"},
+      // bfloat16: the blocked core in float32 (half_through_float32).
       {"bfloat16", q.to(torch::kBFloat16), q.to(torch::kBFloat16), true, 0.0,
-       "explicit"},
+       "blocked"},
+      {"bfloat16, dropout", q.to(torch::kBFloat16), q.to(torch::kBFloat16),
+       true, 0.5, "explicit"},
   };
   for (const auto& c : calls) {
     SCOPED_TRACE(c.what);

@@ -386,6 +386,47 @@ thread_local AttentionPath last_path = AttentionPath::kExplicit;
 
 AttentionPath last_attention_path() { return last_path; }
 
+bool half_through_float32_applies(const AttentionCall& call) {
+  const bool half =
+      call.dtype == torch::kBFloat16 || call.dtype == torch::kHalf;
+  AttentionCall as_float32 = call;
+  as_float32.dtype = torch::kFloat32;
+  return half && blocked_applies(as_float32);
+}
+
+namespace {
+
+/// attention_core for a bfloat16 / float16 call on the CPU, through the
+/// blocked float32 core: query, key, value, a float mask and the relative
+/// bias converted to float32 (differentiably: gradients come back in the
+/// input's dtype, accumulated in float32), the output and weights converted
+/// back; lse stays float32, as the explicit path's and Python's. (No
+/// `packed`: the converted inputs are views of no common tensor.)
+AttentionResult half_through_float32(const torch::Tensor& query,
+                                     const torch::Tensor& key,
+                                     const torch::Tensor& value,
+                                     const torch::Tensor& mask,
+                                     const KeyPositions& positions,
+                                     double scale, WeightsMode weights,
+                                     const FlexMods* flex) {
+  const auto dtype = query.scalar_type();
+  auto to_float = [](const torch::Tensor& t) {
+    return t.defined() && t.is_floating_point() ? t.to(torch::kFloat) : t;
+  };
+  KeyPositions positions32 = positions;
+  positions32.relative_bias = to_float(positions.relative_bias);
+  auto result = attention_core(to_float(query), to_float(key), to_float(value),
+                               to_float(mask), positions32, /*dropout_p=*/0.0,
+                               scale, weights, /*packed=*/{}, flex);
+  result.output = result.output.to(dtype);
+  if (result.weights.defined()) {
+    result.weights = result.weights.to(dtype);
+  }
+  return result;
+}
+
+}  // namespace
+
 AttentionResult attention_core(
     const torch::Tensor& query, const torch::Tensor& key_in,
     const torch::Tensor& value_in, const torch::Tensor& mask,
@@ -393,6 +434,15 @@ AttentionResult attention_core(
     WeightsMode weights, const torch::Tensor& packed, const FlexMods* flex_in) {
   auto call =
       AttentionCall::of(query, key_in, mask, positions, dropout_p, weights);
+  // bfloat16 / float16 on the CPU: the blocked core in float32 where
+  // LibTorch's fused kernel does not take the call (it computes in the half
+  // dtype natively where it does, LibTorch 2.x).
+  if (half_through_float32_applies(call) &&
+      ((flex_in != nullptr && flex_in->active()) ||
+       choose_path(call) == AttentionPath::kExplicit)) {
+    return half_through_float32(query, key_in, value_in, mask, positions, scale,
+                                weights, flex_in);
+  }
   if (flex_in != nullptr && flex_in->active()) {
     // LibTorch's kernel has no place for the mods: blocked, else explicit.
     FlexMods flex = *flex_in;

@@ -244,6 +244,11 @@ bool fused_applies(const AttentionCall& call);
 /// inputs with L, S > 0, and a mask that needs no gradient.
 bool blocked_applies(const AttentionCall& call);
 
+/// Whether a bfloat16 / float16 CPU call may run on the blocked core in
+/// float32 (converted in and out): where blocked_applies would to the same
+/// call in float32.
+bool half_through_float32_applies(const AttentionCall& call);
+
 /// The path attention_core takes: the first that applies of
 /// 1. blocked, when key/value heads are grouped (read in place there), the
 /// call has at most kBlockedFirstScores or at least kBlockedLargeScores
@@ -268,7 +273,9 @@ AttentionPath last_attention_path();
 /// checked; kAverage needs 4-D (N, H, L, E) inputs. 4-D key and value may
 /// have fewer heads Hkv than query's H, dividing it (grouped-query
 /// attention): query head h then attends with key/value head h / (H / Hkv).
-/// Computed on the path choose_path picks. `packed`: undefined, or a tensor
+/// Computed on the path choose_path picks; a bfloat16 / float16 CPU call
+/// that would take the explicit path runs on the blocked core in float32
+/// instead (half_through_float32_applies). `packed`: undefined, or a tensor
 /// (or a view of one) whose views query, key and value are, disjoint and
 /// together all of it, such as the fused in-projection's output split into
 /// heads; the blocked path then computes their gradients into one tensor

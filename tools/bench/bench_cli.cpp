@@ -67,8 +67,9 @@ void add_options(CLI::App& app, Args& args) {
       ->check(CLI::Range(1, 4096));
   app.add_option("--device", args.device_name, "cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--dtype", args.dtype_name, "float32, float64 or bfloat16")
-      ->check(CLI::IsMember({"float32", "float64", "bfloat16"}));
+  app.add_option("--dtype", args.dtype_name,
+                 "float32, float64, bfloat16 or float16")
+      ->check(CLI::IsMember({"float32", "float64", "bfloat16", "float16"}));
   app.add_option("--seed", args.seed, "random seed of weights and inputs");
   app.add_option("--gemm-size", args.gemm_size,
                  "n of the n^3 torch::mm that measures the GEMM ceiling")

@@ -185,6 +185,10 @@ Environment read_environment(const Settings& settings,
     env.openblas_threads = openblas->num_threads;
   }
   env.cpu = mha::tools::cpu_model();
+  env.native_bf16 = mha::tools::cpu_has_flag("avx512_bf16") ||
+                    mha::tools::cpu_has_flag("amx_bf16");
+  env.native_fp16 = mha::tools::cpu_has_flag("avx512_fp16") ||
+                    mha::tools::cpu_has_flag("amx_fp16");
   env.online = mha::tools::online_cpus();
   env.usable = mha::tools::usable_cpus();
   env.wait_policy = mha::tools::env_or_unset("OMP_WAIT_POLICY");
@@ -228,6 +232,12 @@ void print_environment(Environment& env, const Args& args,
       "inputs, one process\n");
   fmt::print("CPU:       {}, {} online, {} usable by this process\n", env.cpu,
              env.online, env.usable);
+  fmt::print(
+      "Half:      native bfloat16 products (avx512_bf16 / amx_bf16): {}; "
+      "native float16 arithmetic (avx512_fp16 / amx_fp16): {}; mha's CPU "
+      "bfloat16/float16 calls: the blocked core in float32 (converted in and "
+      "out; LibTorch 2.x's fused kernel where it takes the call)\n",
+      env.native_bf16 ? "yes" : "no", env.native_fp16 ? "yes" : "no");
   fmt::print(
       "BLAS:      {}{}\n", env.blas,
       env.openblas_config
@@ -446,6 +456,8 @@ nlohmann::json json_report(const Args& args, const Settings& settings,
   doc["tool"] = "mha-bench";
   doc["environment"] = {
       {"cpu_model", env.cpu},
+      {"native_bfloat16", env.native_bf16},
+      {"native_float16", env.native_fp16},
       {"cpus_online", env.online},
       {"cpus_usable", env.usable},
       {"blas", env.blas},

@@ -63,6 +63,7 @@ int memory_child(const std::string& spec, const Settings& settings);
 struct Environment {
   std::string runtime_note;  ///< what tune_runtime_environment set
   std::string blas, cpu;
+  bool native_bf16 = false, native_fp16 = false;  ///< avx512_bf16, _fp16
   int online = 0, usable = 0;
   std::string wait_policy, omp_threads, blas_threads_env;
   /// GLIBC_TUNABLES as set (or "unset") and the kernel's transparent huge

@@ -77,6 +77,17 @@ std::string cpu_model() {
   return "unknown";
 }
 
+bool cpu_has_flag(const std::string& flag) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) == 0) {
+      return (line + " ").find(" " + flag + " ") != std::string::npos;
+    }
+  }
+  return false;
+}
+
 int online_cpus() { return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)); }
 
 int usable_cpus() {

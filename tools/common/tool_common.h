@@ -31,6 +31,10 @@ std::string tune_runtime_environment(char** argv, const char* marker);
 /// The first "model name" of /proc/cpuinfo, or "unknown".
 std::string cpu_model();
 
+/// Whether the first "flags" line of /proc/cpuinfo lists `flag` (such as
+/// avx512_bf16); false where there is none.
+bool cpu_has_flag(const std::string& flag);
+
 /// Online CPUs of the machine.
 int online_cpus();
 
