@@ -240,4 +240,50 @@ TEST_F(HalfPrecision, ModuleInBFloat16AgainstTorchNn) {
       << "mha " << max_error(mine, ref) << ", torch::nn " << max_error(nn, ref);
 }
 
+// An encoder layer with bfloat16 parameters, forward and backward, beside
+// torch::nn's in bfloat16, both against the float64 layer.
+TEST_F(HalfPrecision, EncoderLayerInBFloat16AgainstTorchNn) {
+  const int64_t E = 32, H = 4, N = 2, L = 80;
+  auto options = torch::nn::TransformerEncoderLayerOptions(E, H)
+                     .dim_feedforward(64)
+                     .dropout(0.0);
+  torch::nn::TransformerEncoderLayer theirs(options);
+  mha::TransformerEncoderLayer ours(mha::TransformerEncoderLayerOptions(E, H)
+                                        .dim_feedforward(64)
+                                        .dropout(0.0)
+                                        .batch_first(false));
+  mha::copy_weights(theirs, ours);
+  const auto src64 = torch::randn({L, N, E}, torch::kFloat64)
+                         .to(torch::kBFloat16)
+                         .to(torch::kFloat64);
+  // Causal, additive: -inf above the diagonal.
+  const auto mask = torch::zeros({L, L}).masked_fill(
+      torch::ones({L, L}, torch::kBool).triu(1), -kInf);
+  ours->to(torch::kFloat64);
+  auto in64 = src64.clone().requires_grad_();
+  const auto ref = ours(in64, mask.to(torch::kFloat64));
+  ref.sum().backward();
+  ours->to(torch::kBFloat16);
+  theirs->to(torch::kBFloat16);
+  auto in_ours = src64.to(torch::kBFloat16).requires_grad_();
+  auto in_theirs = src64.to(torch::kBFloat16).requires_grad_();
+  const auto mine = ours(in_ours, mask.to(torch::kBFloat16));
+  const auto nn = theirs(in_theirs, mask.to(torch::kBFloat16));
+  mine.sum().backward();
+  nn.sum().backward();
+  EXPECT_EQ(mine.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(in_ours.grad().scalar_type(), torch::kBFloat16);
+  const double out_scale = ref.abs().max().item<double>();
+  EXPECT_LE(max_error(mine, ref),
+            2.0 * max_error(nn, ref) + rounding(torch::kBFloat16, out_scale))
+      << "output: mha " << max_error(mine, ref) << ", torch::nn "
+      << max_error(nn, ref);
+  const double grad_scale = in64.grad().abs().max().item<double>();
+  EXPECT_LE(max_error(in_ours.grad(), in64.grad()),
+            2.0 * max_error(in_theirs.grad(), in64.grad()) +
+                rounding(torch::kBFloat16, grad_scale))
+      << "input gradient: mha " << max_error(in_ours.grad(), in64.grad())
+      << ", torch::nn " << max_error(in_theirs.grad(), in64.grad());
+}
+
 }  // namespace half_precision_tests
