@@ -205,9 +205,9 @@ torch::Tensor fused_result(const R& r, const torch::Tensor& like) {
 /// lookup). The CPU core calls it inside its tile loop on a run of keys of
 /// one query row, key by key in a loop the compiler vectorises: score a
 /// float32 or float64 score, kv_idx, b, h (the QUERY head) and q_idx
-/// int64_t (the fused::Pack types take the same lambda); backward instantiates it with fused::Dual
-/// numbers for its derivative by the score (ATen's convention at kinks:
-/// fused.h). Every other path calls its tensor form (f on
+/// int64_t (the fused::Pack types take the same lambda); backward instantiates
+/// it with fused::Dual numbers for its derivative by the score (ATen's
+/// convention at kinks: fused.h). Every other path calls its tensor form (f on
 /// fused::TensorValue). No `if` on an argument (use where); a captured
 /// tensor read with lookup gets no gradient (a learned table: write an
 /// eager ScoreMod). Semantics: Python FlexAttention's score_mod.
@@ -218,6 +218,9 @@ torch::Tensor fused_result(const R& r, const torch::Tensor& like) {
 ///   });
 template <class F>
 ScoreMod fused_score_mod(F f) {
+  // Probed here, on the caller's thread: the kernels may run where ATen
+  // must not be called (fused_math.h).
+  (void)fused::detail::clamp_passes_at_bounds();
   auto kernel = std::make_shared<const detail::fused_rows::ScoreKernelOf<F>>(f);
   ScoreMod::Function tensor_form =
       [f](const torch::Tensor& s, const torch::Tensor& b,

@@ -242,6 +242,17 @@ inline auto abs(const X& x) {
 // ------------------------------------------------------- min, max, clamp ---
 
 namespace detail {
+/// Whether the linked LibTorch's autograd passes clamp's derivative at its
+/// bounds (1.13: d clamp(x, lo, hi) / dx = 1 at x = lo or hi) or gives 0
+/// there (2.14): probed once, with autograd, on the first call (made by
+/// fused_score_mod on the caller's thread); the dual forms of clamp and of
+/// min / max against a constant follow it. (`const`: the same answer on
+/// every call, so that the compiler keeps it out of a loop.)
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((const))
+#endif
+bool clamp_passes_at_bounds();
+
 /// min (is_min) or max of two values of one family: NaN propagates; at a
 /// tie of two duals each gives half its derivative (ATen's minimum /
 /// maximum), against a constant the dual's derivative passes at the tie
@@ -278,7 +289,12 @@ inline auto extremum(const A& a, const B& b) {
       c = as_value<V>(a);
     }
     const auto keeps = (is_min ? x.v <= c : x.v >= c) | (x.v != x.v);
-    return Dual<V>{where(keeps, x.v, c), where(keeps, x.d, as_value<V>(0))};
+    // At the tie: clamp_max / clamp_min's derivative (see
+    // clamp_passes_at_bounds).
+    const auto passes = clamp_passes_at_bounds()
+                            ? keeps
+                            : (is_min ? x.v < c : x.v > c) | (x.v != x.v);
+    return Dual<V>{where(keeps, x.v, c), where(passes, x.d, as_value<V>(0))};
   } else {
     return where(first(a, b), a, b);
   }
@@ -296,14 +312,17 @@ inline auto max(const A& a, const B& b) {
   return detail::extremum<false>(a, b);
 }
 /// x limited to [lo, hi] (numbers), as torch.clamp: hi where lo > hi, NaN
-/// stays NaN; the derivative passes where lo <= x <= hi.
+/// stays NaN; the derivative passes where lo < x < hi, and at x = lo or hi
+/// as the linked LibTorch's autograd does (1.13 passes it, 2.14 gives 0).
 template <class X>
 inline auto clamp(const X& x, double lo, double hi) {
   if constexpr (kIsTensor<X>) {
     return TensorValue{torch::clamp(x.t, lo, hi)};
   } else if constexpr (kIsDual<X>) {
     using V = Plain<decltype(x.v)>;
-    const auto inside = (x.v >= lo) & (x.v <= hi);
+    const auto inside = detail::clamp_passes_at_bounds()
+                            ? (x.v >= lo) & (x.v <= hi)
+                            : (x.v > lo) & (x.v < hi);
     return Dual<V>{as_value<V>(clamp(x.v, lo, hi)),
                    where(inside, x.d, as_value<V>(0))};
   } else {

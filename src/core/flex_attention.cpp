@@ -332,6 +332,22 @@ void table_index_error(const char* what, int64_t q, int64_t kv0, int64_t n) {
 
 }  // namespace detail
 
+namespace fused::detail {
+
+bool clamp_passes_at_bounds() {
+  static const bool passes = [] {
+    c10::InferenceMode not_inference(false);
+    torch::AutoGradMode grad_mode(true);
+    auto x = torch::ones({1}, torch::kDouble).requires_grad_();
+    const auto gradient =
+        torch::autograd::grad({torch::clamp(x, 0.0, 1.0).sum()}, {x})[0];
+    return gradient.item<double>() == 1.0;
+  }();
+  return passes;
+}
+
+}  // namespace fused::detail
+
 MaskMod noop_mask() {
   return [](const torch::Tensor& b, const torch::Tensor&, const torch::Tensor&,
             const torch::Tensor&) {
