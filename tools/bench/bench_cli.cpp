@@ -4,6 +4,7 @@
 //
 // Glossary: N batch, L sequence length (S = L), E embed_dim, H num_heads.
 #include <fmt/core.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -132,6 +133,17 @@ std::optional<Plan> plan(const CLI::App& app, Args& args) {
   if (mha::tools::cuda_missing("mha-bench", args.device_name == "cuda")) {
     return std::nullopt;
   }
+#if TORCH_VERSION_MAJOR < 2
+  if (args.dtype_name == "float16" && args.device_name == "cpu") {
+    mha::tools::usage_error(
+        "mha-bench",
+        "--dtype float16 on the CPU needs LibTorch 2.x: LibTorch " +
+            std::string(TORCH_VERSION) +
+            " has no float16 matrix product on the CPU, which torch::nn, "
+            "the GEMM ceiling and the modules' projections use");
+    return std::nullopt;
+  }
+#endif
   return plan;
 }
 
