@@ -498,6 +498,15 @@ TEST_F(FusedMods, ErrorsAndNaN) {
   EXPECT_THROW_MSG(mha::create_block_mask(bad_table_mask, c10::nullopt,
                                           c10::nullopt, 300, 300),
                    "fused mask_mod read a mha::fused::Table");
+  // An empty Table: an error, not a read past its end.
+  const auto empty_table = mha::fused_score_mod(
+      [t = fused::Table(torch::zeros({0}))](auto s, auto, auto, auto, auto kv) {
+        return s + fused::lookup(t, kv);
+      });
+  EXPECT_THROW_MSG(mha::flex_attention(q, q, q, empty_table), "out of");
+  std::vector<float> row(4, 0.0f);  // the kernel itself, on a row of keys
+  EXPECT_THROW_MSG(empty_table.fused()->apply(row.data(), 4, 0, 0, 0, 0),
+                   "read a mha::fused::Table at an index out of range");
   // And in backward (the derivative's kernel).
   {
     const auto leaf = q.clone().requires_grad_();

@@ -220,7 +220,7 @@ template <class F>
 ScoreMod fused_score_mod(F f) {
   // Probed here, on the caller's thread: the kernels may run where ATen
   // must not be called (fused_math.h).
-  (void)fused::detail::clamp_passes_at_bounds();
+  (void)fused::detail::probe_clamp_passes_at_bounds();
   auto kernel = std::make_shared<const detail::fused_rows::ScoreKernelOf<F>>(f);
   ScoreMod::Function tensor_form =
       [f](const torch::Tensor& s, const torch::Tensor& b,

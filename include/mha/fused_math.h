@@ -253,6 +253,10 @@ __attribute__((const))
 #endif
 bool clamp_passes_at_bounds();
 
+/// clamp_passes_at_bounds without `const`, for the first call (the
+/// compiler may drop a `const` function's call whose result goes unused).
+bool probe_clamp_passes_at_bounds();
+
 /// min (is_min) or max of two values of one family: NaN propagates; at a
 /// tie of two duals each gives half its derivative (ATen's minimum /
 /// maximum), against a constant the dual's derivative passes at the tie
@@ -438,8 +442,13 @@ class Table {
       : tensor_(std::move(tensor)),
         view_(detail::table_view(tensor_, static_cast<int>(tensor_.dim()))) {
     const auto dense = tensor_.detach().to(torch::kDouble).contiguous();
-    values_ = std::make_shared<const std::vector<double>>(
+    // At least one value: an index out of range reads offset 0 (lookup).
+    auto values = std::make_shared<std::vector<double>>(
         dense.data_ptr<double>(), dense.data_ptr<double>() + dense.numel());
+    if (values->empty()) {
+      values->push_back(0.0);
+    }
+    values_ = std::move(values);
     data_ = values_->data();
     dense_ = view_;
     int64_t stride = 1;

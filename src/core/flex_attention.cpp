@@ -334,7 +334,9 @@ void table_index_error(const char* what, int64_t q, int64_t kv0, int64_t n) {
 
 namespace fused::detail {
 
-bool clamp_passes_at_bounds() {
+bool clamp_passes_at_bounds() { return probe_clamp_passes_at_bounds(); }
+
+bool probe_clamp_passes_at_bounds() {
   static const bool passes = [] {
     c10::InferenceMode not_inference(false);
     torch::AutoGradMode grad_mode(true);
