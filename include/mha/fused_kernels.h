@@ -156,6 +156,24 @@ MHA_FUSED_BUILDS(avx512, MHA_FUSED_AVX512)
 #endif
 #undef MHA_FUSED_BUILDS
 
+/// Runs a row kernel of the fused mod of kind `what` ("score_mod",
+/// "mask_mod") on query row q, keys [kv0, kv0 + n): an exception becomes
+/// rethrow_fused_error's c10::Error, a Table index out of range (recorded
+/// by lookup, fused_math.h) table_index_error's.
+template <class Body>
+void run_row_kernel(const char* what, const Body& body, int64_t q, int64_t kv0,
+                    int64_t n) {
+  mha::fused::detail::table_index_missed = 0;
+  try {
+    body();
+  } catch (...) {
+    rethrow_fused_error(what);
+  }
+  if (mha::fused::detail::table_index_missed != 0) {
+    table_index_error(what, q, kv0, n);
+  }
+}
+
 /// FusedScoreKernel of the lambda f (fused_score_mod).
 template <class F>
 class ScoreKernelOf final : public FusedScoreKernel {
@@ -183,15 +201,7 @@ class ScoreKernelOf final : public FusedScoreKernel {
  private:
   template <class Body>
   static void run(const Body& body, int64_t q, int64_t kv0, int64_t n) {
-    mha::fused::detail::table_index_missed = 0;
-    try {
-      body();
-    } catch (...) {
-      rethrow_fused_error("score_mod");
-    }
-    if (mha::fused::detail::table_index_missed != 0) {
-      table_index_error("score_mod", q, kv0, n);
-    }
+    run_row_kernel("score_mod", body, q, kv0, n);
   }
   F f_;
 };
@@ -203,15 +213,10 @@ class MaskKernelOf final : public FusedMaskKernel {
   explicit MaskKernelOf(F f) : f_(std::move(f)) {}
   void allowed(uint8_t* allowed, int64_t n, int64_t b, int64_t h, int64_t q,
                int64_t kv0) const override {
-    mha::fused::detail::table_index_missed = 0;
-    try {
-      MHA_FUSED_DISPATCH(mask, f_, allowed, n, b, h, q, kv0)
-    } catch (...) {
-      rethrow_fused_error("mask_mod");
-    }
-    if (mha::fused::detail::table_index_missed != 0) {
-      table_index_error("mask_mod", q, kv0, n);
-    }
+    run_row_kernel(
+        "mask_mod",
+        [&] { MHA_FUSED_DISPATCH(mask, f_, allowed, n, b, h, q, kv0) }, q, kv0,
+        n);
   }
 
  private:
