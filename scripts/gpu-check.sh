@@ -200,10 +200,6 @@ if [[ $built -eq 0 ]]; then
   to_report=1
 
   for dtype in float32 bfloat16; do
-    if [[ $device == cpu && $dtype == bfloat16 ]]; then
-      summary+=("$(printf '%-28s %-34s' "mha-parity $dtype" "n/a (half types need --device cuda)")")
-      continue
-    fi
     percent=25
     [[ $dtype == bfloat16 ]] && percent=30
     step "mha-parity $device $dtype" "$(share $percent)" \

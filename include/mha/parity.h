@@ -97,7 +97,8 @@ struct Case {
   /// torch::nn is the reference where it computes the same (block-causal,
   /// documents), the float64 reference (which applies the score_mod) always.
   std::string flex;
-  /// dtype of inputs and parameters (float32, float64; half types on CUDA).
+  /// dtype of inputs and parameters (float32, float64; bfloat16 and float16,
+  /// float16 on the CPU with LibTorch 2.x only).
   torch::ScalarType dtype = torch::kFloat32;
   /// Called on the mha attention module (an encoder layer's self_attn) after
   /// both references took its weights and before it runs: lets a test plant

@@ -51,6 +51,9 @@ torch::Tensor leaf(const torch::Tensor& t, torch::ScalarType dtype);
 torch::Tensor plus_float_causal(const torch::Tensor& mask, int64_t L, int64_t S,
                                 const torch::TensorOptions& on);
 
+/// bfloat16 or float16.
+bool is_half(torch::ScalarType dtype);
+
 /// Runs torch::nn through `run`; if it throws, keeps the first line of the
 /// message (at most 60 characters) in `threw` and marks torch::nn as used
 /// and not within tolerance.
@@ -68,9 +71,13 @@ Parts run_reference(Run&& run, std::string& threw, CaseResult& result) {
 }
 
 /// Compares mha's tensors with both references' and sets result's status.
+/// `half_parts`: the float64 reference's computation run in the case's half
+/// dtype (same parts), or empty: the half rule's base where torch::nn cannot
+/// be (it lacks the option, threw or is known to differ).
 void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
            const Parts& nn_parts, const std::string& ref_diff,
-           const std::string& nn_threw, CaseResult& result);
+           const std::string& nn_threw, CaseResult& result,
+           const Parts& half_parts = {});
 
 /// run_case for an encoder-layer case (Case::encoder_layer).
 CaseResult run_encoder_case(const Case& c, const torch::Device& device,

@@ -41,7 +41,7 @@ void add_mask_part(const torch::Tensor& part, torch::Tensor& blocked,
   if (part.scalar_type() == torch::kBool) {
     blocked_part.logical_or_(part);
   } else {
-    auto p = part.to(torch::kFloat64);
+    auto p = part.to(additive.scalar_type());
     auto minus_inf = p.eq(-kInf);
     blocked_part.logical_or_(minus_inf);
     additive_part.add_(p.masked_fill(minus_inf, 0.0));
@@ -59,8 +59,9 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
   const int64_t N = in.query.size(0);
   const int64_t L = in.query.size(1);
   const int64_t S = in.key.size(1);
-  auto f64 =
-      torch::TensorOptions().dtype(torch::kFloat64).device(in.query.device());
+  // The dtype of the inputs: float64, or a half dtype for the half rule's
+  // base (judge).
+  const auto on = in.query.options();
 
   torch::Tensor w_q, w_k, w_v;
   auto packed = param_or_undefined(params, "in_proj_weight");
@@ -100,13 +101,13 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
       auto k_h = k.narrow(1, h * D, D);  // (S', D)
       auto v_h = v.narrow(1, h * D, D);  // (S', D)
       if (options.add_zero_attn()) {
-        k_h = torch::cat({k_h, torch::zeros({1, D}, f64)});
-        v_h = torch::cat({v_h, torch::zeros({1, D}, f64)});
+        k_h = torch::cat({k_h, torch::zeros({1, D}, on)});
+        v_h = torch::cat({v_h, torch::zeros({1, D}, on)});
       }
       const int64_t S2 = k_h.size(0);
       // Extra columns (bias_kv, zero_attn) stay unblocked and unbiased.
-      auto blocked = torch::zeros({L, S2}, f64.dtype(torch::kBool));
-      auto additive = torch::zeros({L, S2}, f64);
+      auto blocked = torch::zeros({L, S2}, on.dtype(torch::kBool));
+      auto additive = torch::zeros({L, S2}, on);
       if (in.attn_mask.defined()) {
         add_mask_part(
             in.attn_mask.dim() == 2 ? in.attn_mask : in.attn_mask[n * H + h],
@@ -123,7 +124,7 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
       auto scores = torch::matmul(q_h, k_h.t()) / std::sqrt(double(D));
       if (options.score_mod()) {
         // FlexAttention's score_mod on the scaled scores, before the masks.
-        const auto index = f64.dtype(torch::kLong);
+        const auto index = on.dtype(torch::kLong);
         scores = options.score_mod()(
             scores, torch::scalar_tensor(n, index),
             torch::scalar_tensor(h, index),

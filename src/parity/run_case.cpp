@@ -290,20 +290,24 @@ Parts run_torch_nn(const Case& c,
 /// is known to differ (`ref_diff`) and mha matches float64, else FAIL.
 void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
            const Parts& nn_parts, const std::string& ref_diff,
-           const std::string& nn_threw, CaseResult& result) {
+           const std::string& nn_threw, CaseResult& result,
+           const Parts& half_parts) {
   const auto dtype = c.dtype;
   const auto tol = result.tolerance;
-  // Half types with a valid torch::nn: the bound comes from its own error.
-  const bool half_rule =
-      is_half(dtype) && !nn_parts.empty() && ref_diff.empty();
+  // Half types: the bound comes from a computation of the same thing in the
+  // same dtype, torch::nn's where it is valid, else the reference's.
+  const bool nn_base = is_half(dtype) && !nn_parts.empty() && ref_diff.empty();
+  const Parts& base = nn_base ? nn_parts : half_parts;
+  const bool half_rule = is_half(dtype) && !base.empty();
   for (size_t i = 0; i < mine_parts.size(); ++i) {
     const auto& [what, mine_t] = mine_parts[i];
     const auto& f64_t = f64_parts[i].second;
     Tolerance part_tol = tol;
     if (half_rule) {
       // flash-attention's rule: our error against float64 at most twice
-      // LibTorch's own, plus one rounding step of the dtype at this scale.
-      part_tol = {2.0 * max_abs_diff(nn_parts[i].second, f64_t) +
+      // that computation's, plus one rounding step of the dtype at this
+      // scale.
+      part_tol = {2.0 * max_abs_diff(base[i].second, f64_t) +
                       dtype_epsilon(dtype) * max_abs(f64_t),
                   0.0};
     }
@@ -316,7 +320,7 @@ void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
       add(result.torch_nn, vs_nn);
     }
   }
-  if (half_rule) {
+  if (nn_base) {
     result.note = "bound: 2x torch::nn's error vs float64 + dtype rounding";
   }
 
@@ -338,6 +342,12 @@ void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
     result.status = result.torch_nn.within && result.float64.within
                         ? Status::kPass
                         : Status::kFail;
+  }
+  if (half_rule && !nn_base) {
+    result.note += std::string(result.note.empty() ? "" : "; ") +
+                   "bound: 2x the reference's error in " +
+                   (dtype == torch::kBFloat16 ? "bfloat16" : "float16") +
+                   " vs float64 + dtype rounding";
   }
 }
 

@@ -133,8 +133,8 @@ std::optional<Plan> plan(const CLI::App& app, Args& args) {
   if (mha::tools::cuda_missing("mha-bench", args.device_name == "cuda")) {
     return std::nullopt;
   }
-#if TORCH_VERSION_MAJOR < 2
-  if (args.dtype_name == "float16" && args.device_name == "cpu") {
+  if (args.dtype_name == "float16" && args.device_name == "cpu" &&
+      !mha::tools::cpu_float16_matmul()) {
     mha::tools::usage_error(
         "mha-bench",
         "--dtype float16 on the CPU needs LibTorch 2.x: LibTorch " +
@@ -143,7 +143,6 @@ std::optional<Plan> plan(const CLI::App& app, Args& args) {
             "the GEMM ceiling and the modules' projections use");
     return std::nullopt;
   }
-#endif
   return plan;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <CLI/CLI.hpp>
 #include <fstream>
@@ -33,6 +34,11 @@ int usage_error(const std::string& tool, const std::string& message);
 torch::ScalarType dtype_from_name(const std::string& name);
 /// The name of one of those dtypes, or "?".
 std::string dtype_name(torch::ScalarType dtype);
+
+/// Whether the linked LibTorch has a float16 matrix product on the CPU
+/// (LibTorch 2.x; 1.13 has none, so torch::nn and mha's projections cannot
+/// run in float16 there).
+constexpr bool cpu_float16_matmul() { return TORCH_VERSION_MAJOR >= 2; }
 
 /// With --device cuda and no CUDA: says so on stderr ("<tool>: --device
 /// cuda: CUDA is not available (...)") and returns true.

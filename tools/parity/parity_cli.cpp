@@ -28,7 +28,8 @@ const std::map<std::string, MaskKind> kMaskKinds = {
     {"float", MaskKind::kFloat}};
 
 /// The dtypes to run: --dtype's, else float32 and float64 (and the half
-/// types on CUDA). nullopt after a usage error.
+/// types on CUDA). bfloat16 runs on the CPU too; float16 there where
+/// LibTorch has a CPU float16 matmul (2.x). nullopt after a usage error.
 std::optional<std::vector<torch::ScalarType>> select_dtypes(const Args& args,
                                                             bool cuda) {
   std::vector<torch::ScalarType> dtypes;
@@ -42,9 +43,13 @@ std::optional<std::vector<torch::ScalarType>> select_dtypes(const Args& args,
     }
   }
   for (auto dtype : dtypes) {
-    if (!cuda && (dtype == torch::kFloat16 || dtype == torch::kBFloat16)) {
-      usage_error(kTool, fmt::format("--dtype {} needs --device cuda",
-                                     dtype_name(dtype)));
+    if (!cuda && dtype == torch::kFloat16 &&
+        !mha::tools::cpu_float16_matmul()) {
+      usage_error(kTool,
+                  fmt::format("--dtype float16 on the CPU needs LibTorch 2.x "
+                              "(this is {}: no float16 matmul on the CPU); "
+                              "use --device cuda or --dtype bfloat16",
+                              TORCH_VERSION));
       return std::nullopt;
     }
   }
@@ -175,7 +180,9 @@ void add_options(CLI::App& app, Args& args) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--dtype", args.dtype_filter,
                  "only this dtype: float32, float64, float16, bfloat16 "
-                 "(half types need --device cuda)")
+                 "(the half types: bounded by 2x the error of the same "
+                 "computation in that dtype; float16 on the CPU needs "
+                 "LibTorch 2.x)")
       ->check(CLI::IsMember({"float32", "float64", "float16", "bfloat16"}));
   app.add_option("--seed", args.seed, "random seed of weights and inputs");
   app.add_option("--filter", args.filter,
