@@ -358,7 +358,9 @@ BlockMask create_document_block_mask(const torch::Tensor& lengths, bool causal,
 ///   enable_gqa: Hq % Hkv == 0 and query head h reads key/value head
 ///     h / (Hq / Hkv); without it Hq must equal Hkv.
 ///   return_lse: also return the logsumexp of each row's modified, masked
-///     scores (natural log; no gradient flows through it).
+///     scores (natural log; differentiable: d lse / d score is the score's
+///     weight, so a loss on lse reaches query, key and the captured tensors
+///     as it would through torch::logsumexp of the scores).
 /// Returns: (output (B, Hq, L, Ev) of query's dtype, lse (B, Hq, L) float32
 /// for float32 and float64 for float64 inputs, or undefined unless
 /// return_lse).

@@ -167,10 +167,15 @@ AttentionResult explicit_attention(
   const bool half = dtype == torch::kHalf || dtype == torch::kBFloat16;
   torch::Tensor lse;
   if (is_flex && flex->return_lse) {
-    // (N, H, L): float32 for float16/bfloat16, as Python's; no gradient.
-    lse = (half ? scores.detach().to(torch::kFloat) : scores.detach())
-              .logsumexp(/*dim=*/-1)
-              .masked_fill(blocked_rows.squeeze(-1), kNegInf);
+    // (N, H, L): float32 for float16/bfloat16, as Python's; differentiable
+    // (a fully masked row's scores made finite first: it gets -inf and no
+    // gradient, never NaN).
+    const auto finite =
+        blocked_rows.defined() ? scores.masked_fill(blocked_rows, 0.0) : scores;
+    lse = (half ? finite.to(torch::kFloat) : finite).logsumexp(/*dim=*/-1);
+    if (blocked_rows.defined()) {
+      lse = lse.masked_fill(blocked_rows.squeeze(-1), kNegInf);
+    }
   }
   if (blocked_rows.defined()) {
     // A fully masked row would be softmax(-inf, ..., -inf) = NaN. Give it

@@ -341,7 +341,8 @@ BlockedGradients blocked_backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const torch::Tensor& relative_bias, const BlockedSpec& spec,
     const torch::Tensor& kept, const torch::Tensor& grad_output,
-    const torch::Tensor& grad_weights, BlockedGradients grads) {
+    const torch::Tensor& grad_weights, BlockedGradients grads,
+    const torch::Tensor& grad_lse) {
   // A gradient oneDNN cannot take as it is (such as the expanded one of
   // out.sum()) is copied once, so that the items stay off BLAS.
   const auto grad_out = spec.onednn && !onednn_only({grad_output})
@@ -448,6 +449,11 @@ BlockedGradients blocked_backward(
             // No gradient flows through a fully masked row, even where dp
             // is non-finite (0 · NaN).
             zero_rows(ds, empty);
+            if (grad_lse.defined()) {
+              // lse_r = log Σ_c exp(s_rc): d lse_r / d s_rc = p_rc (0 in a
+              // fully masked row, whose p is 0).
+              ds.addcmul_(p, grad_lse[n][h].narrow(0, row0, rows).unsqueeze(1));
+            }
             if (score_mod) {
               flex_score_backward(ds, spec, *tile, grads.captured,
                                   captured_lock);

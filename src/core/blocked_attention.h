@@ -194,6 +194,9 @@ struct BlockedGradients {
 /// for each (n, h), spread over threads. blocked_backward writes into
 /// `grads`' dq (any values) and dk, dv (zero on entry) and returns them with
 /// the bias's gradient. Shapes as batched_forward's and batched_backward's.
+/// grad_lse: the gradient of a flex call's logsumexp (N, H, L), or
+/// undefined: d lse_r / d s_rc is the weight p_rc, so p · grad_lse joins
+/// each row's score gradient.
 BlockedForward blocked_forward(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,
                                const torch::Tensor& relative_bias,
@@ -203,17 +206,19 @@ BlockedGradients blocked_backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const torch::Tensor& relative_bias, const BlockedSpec& spec,
     const torch::Tensor& kept, const torch::Tensor& grad_out,
-    const torch::Tensor& grad_weights, BlockedGradients grads);
+    const torch::Tensor& grad_weights, BlockedGradients grads,
+    const torch::Tensor& grad_lse = {});
 
 /// Runs a blocked call under autograd (blocked_autograd.cpp): output, and
 /// weights when spec asks for them, then the logsumexp when spec.flex asks
-/// for it (no gradient). With spec.flex, the tensors its score_mod captures
-/// (spec.flex->captured) are inputs too, whose gradients backward returns.
-/// relative_bias (Hb, L + S - 1) contiguous, or empty (0) for none. With
-/// `packed` undefined, or not a tensor that q, k and v are views of and cover
-/// exactly (attention_core's `packed`), backward returns a gradient per input;
-/// otherwise it returns one gradient for the packed tensor. Pass `packed` only
-/// when a gradient is needed and the call is not spec.one_block.
+/// for it (differentiable: blocked_backward's grad_lse). With spec.flex, the
+/// tensors its score_mod captures (spec.flex->captured) are inputs too, whose
+/// gradients backward returns. relative_bias (Hb, L + S - 1) contiguous, or
+/// empty (0) for none. With `packed` undefined, or not a tensor that q, k and v
+/// are views of and cover exactly (attention_core's `packed`), backward returns
+/// a gradient per input; otherwise it returns one gradient for the packed
+/// tensor. Pass `packed` only when a gradient is needed and the call is not
+/// spec.one_block.
 torch::autograd::variable_list apply_blocked(const torch::Tensor& q,
                                              const torch::Tensor& k,
                                              const torch::Tensor& v,

@@ -100,7 +100,6 @@ torch::autograd::variable_list forward_saving(
     outputs.push_back(result.weights);
   }
   if (result.lse.defined()) {
-    ctx->mark_non_differentiable({result.lse});
     outputs.push_back(result.lse);
   }
   return outputs;
@@ -134,8 +133,12 @@ BlockedGradients backward_from(
     return batched_backward(q, k, v, relative_bias, spec, kept_weights,
                             grad_out, grad_weights);
   }
+  // The logsumexp's gradient, when it is an output (the last) and used.
+  const auto grad_lse = spec.flex != nullptr && spec.flex->return_lse
+                            ? grads.back()
+                            : torch::Tensor();
   return blocked_backward(q, k, v, relative_bias, spec, kept_weights, grad_out,
-                          grad_weights, make_buffers());
+                          grad_weights, make_buffers(), grad_lse);
 }
 
 /// Autograd wrapper: saves the inputs, and the weights only when
