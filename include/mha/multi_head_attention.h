@@ -30,6 +30,40 @@ enum class PositionBias {
   kRelative,  ///< T5: a learned scalar per head and relative-position bucket
 };
 
+/// The normalisation of queries and keys before attention (the models of
+/// 2025: Qwen3, Gemma 3, OLMo 2, Llama 4). RMSNorm (Zhang and Sennrich,
+/// 2019): x / sqrt(mean(x²) + eps) · weight, computed in float32 for
+/// float16 / bfloat16 inputs as transformers' RMSNorm classes.
+enum class QKNorm {
+  kNone,     ///< none (default)
+  kPerHead,  ///< RMSNorm over each head's head_dim features, before rotary;
+             ///< q_norm.weight, k_norm.weight (head_dim): Qwen3, Gemma 3
+  kFull,     ///< RMSNorm over the whole projection, before rotary;
+             ///< q_norm.weight (num_heads · head_dim), k_norm.weight
+             ///< (num_kv_heads · head_dim): OLMo 2
+  kL2,       ///< x / sqrt(mean(x²) + eps) per head, no weight, after rotary:
+             ///< Llama 4's L2 norm (use_qk_norm)
+};
+
+/// A normalisation's learned scale as a module of its own, so that its
+/// parameter is named `<name>.weight` as in transformers' RMSNorm modules
+/// (MultiHeadAttention's q_norm and k_norm).
+class NormWeightImpl : public torch::nn::Cloneable<NormWeightImpl> {
+ public:
+  /// A weight of `size` features (>= 0), initialised to ones.
+  explicit NormWeightImpl(int64_t size = 0);
+  /// (Re)creates the weight, ones.
+  void reset() override;
+  /// (size)
+  torch::Tensor weight;
+
+ private:
+  int64_t size_ = 0;
+};
+
+/// Holder of NormWeightImpl.
+TORCH_MODULE(NormWeight);
+
 /// Options for MultiHeadAttention; names and defaults as PyTorch's, except
 /// batch_first (true here).
 struct MultiHeadAttentionOptions {
@@ -167,6 +201,37 @@ struct MultiHeadAttentionOptions {
   /// `softcap * tanh(score / softcap)` (transformers' Gemma2Attention,
   /// config.attn_logit_softcapping). Empty (default): none.
   TORCH_ARG(ScoreMod, score_mod) = {};
+  /// Per-head width D. nullopt (default): embed_dim / num_heads. Qwen3,
+  /// Gemma 3, gpt-oss and Qwen3-Next have num_heads · head_dim !=
+  /// embed_dim: queries project to num_heads · head_dim features, keys and
+  /// values to num_kv_heads · head_dim, and out_proj back to embed_dim
+  /// (out_proj.weight (E, H · D)); the module then has no packed
+  /// in_proj_weight. >= 1; not with a linear attention_kind.
+  TORCH_ARG(c10::optional<int64_t>, head_dim) = c10::nullopt;
+  /// Normalisation of queries and keys (QKNorm): kPerHead, kFull before
+  /// rotary, kL2 after it. Default kNone. Not with a linear attention_kind.
+  /// transformers: Qwen3Attention, Gemma3Attention, Olmo2Attention,
+  /// Llama4TextAttention.
+  TORCH_ARG(QKNorm, qk_norm) = QKNorm::kNone;
+  /// The RMSNorm's epsilon (transformers: config.rms_norm_eps). Default
+  /// 1e-6.
+  TORCH_ARG(double, qk_norm_eps) = 1e-6;
+  /// The norms scale by (1 + weight), the weight as stored (zeros at
+  /// initialisation): Gemma 3, Qwen3-Next. Default false (scale by weight,
+  /// ones at initialisation).
+  TORCH_ARG(bool, qk_norm_unit_offset) = false;
+  /// gpt-oss's attention sinks: a learned logit per head (parameter
+  /// `sinks`, (num_heads), zeros at initialisation) joins each query row's
+  /// softmax denominator, weights_j = exp(s_j) / (Σ_k exp(s_k) +
+  /// exp(sinks_h)), so a row's weights sum to less than 1 (a fully masked
+  /// row: 0). transformers' GptOssAttention. Computed from the core's
+  /// logsumexp: output · sigmoid(lse - sinks_h). Default false.
+  TORCH_ARG(bool, attention_sinks) = false;
+  /// Qwen3-Next's gated attention: the query projection yields, per head,
+  /// [query_h | gate_h] (q_proj_weight (2 · H · D, E), the checkpoint's
+  /// layout), and the attention's output is multiplied by sigmoid(gate)
+  /// before out_proj. transformers' Qwen3NextAttention. Default false.
+  TORCH_ARG(bool, output_gate) = false;
 };
 
 /// The keys and values of a fixed key/value sequence (an encoder's memory)
@@ -187,14 +252,18 @@ struct ProjectedKeyValue {
 ///
 /// Parameters (names as PyTorch's, so state dicts move both ways), with
 /// Ekv = num_kv_heads · head_dim (E unless num_kv_heads is set):
-///   in_proj_weight (3E, E)         when kdim == vdim == E and Ekv == E, else
-///   q_proj_weight (E, E), k_proj_weight (Ekv, kdim),
+///   in_proj_weight (3E, E)         when packed_in_proj(), else
+///   q_proj_weight (Eq, E), k_proj_weight (Ekv, kdim),
 ///   v_proj_weight (Ekv, vdim);
-///   in_proj_bias (E + 2 Ekv)       when bias (rows: query, key, value);
+///   in_proj_bias (Eq + 2 Ekv)      when bias (rows: query, key, value);
 ///   bias_k, bias_v (1, 1, Ekv)     when add_bias_kv;
-///   out_proj.weight (E, E), out_proj.bias (E) (bias only when bias);
+///   out_proj.weight (E, H·D), out_proj.bias (E) (bias only when bias);
 ///   relative_attention_bias.weight (buckets, H)  when position_bias is
-///   kRelative.
+///   kRelative;
+///   q_norm.weight, k_norm.weight   when qk_norm is kPerHead or kFull;
+///   sinks (H)                      when attention_sinks;
+/// with D = head_dim (E / H unless set), Eq = H·D (2·H·D with
+/// output_gate).
 /// Initialised as PyTorch: xavier_uniform projections, zero biases,
 /// xavier_normal bias_k / bias_v, out_proj.weight as nn.Linear.
 ///
@@ -360,13 +429,14 @@ class MultiHeadAttentionImpl
   int64_t vdim() const;
   /// Key/value heads (num_kv_heads, or num_heads when unset).
   int64_t num_kv_heads() const;
-  /// True when Q, K and V share the packed in_proj_weight (kdim == vdim == E
-  /// and num_kv_heads == num_heads).
+  /// True when Q, K and V share the packed in_proj_weight (kdim == vdim == E,
+  /// num_kv_heads == num_heads, num_heads · head_dim == E and no
+  /// output_gate).
   bool packed_in_proj() const;
 
   /// The options this module was constructed with.
   MultiHeadAttentionOptions options;
-  /// E / H.
+  /// D: options.head_dim, or E / H when unset.
   int64_t head_dim = 0;
 
   torch::Tensor in_proj_weight;          ///< (3E, E) when packed_in_proj()
@@ -380,6 +450,14 @@ class MultiHeadAttentionImpl
   /// position_bias kRelative: weight (relative_num_buckets, H), one learned
   /// bias per bucket and head (T5's name), initialised N(0, E^-1/2) as T5.
   torch::nn::Embedding relative_attention_bias = nullptr;
+  /// qk_norm kPerHead / kFull: the query norm, weight (head_dim, or
+  /// num_heads · head_dim for kFull), `q_norm.weight`; else null.
+  NormWeight q_norm = nullptr;
+  /// qk_norm kPerHead / kFull: the key norm, weight (head_dim, or
+  /// num_kv_heads · head_dim for kFull), `k_norm.weight`; else null.
+  NormWeight k_norm = nullptr;
+  /// attention_sinks: (num_heads) logits, one per head.
+  torch::Tensor sinks;
 
   /// kLinformer: E (projected_length, max_length), the projection of the
   /// keys along the sequence (and of the values when share_kv_projection),

@@ -400,11 +400,13 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
   const int64_t E = m.options.embed_dim();
   const auto& b = m.in_proj_bias;
   if (!m.packed_in_proj()) {
-    // in_proj_bias rows: query [0, E), key [E, E + Ekv), value [E + Ekv, ...)
+    // in_proj_bias rows: query [0, Eq), key [Eq, Eq + Ekv), value
+    // [Eq + Ekv, ...); Eq = H·D (2·H·D with output_gate)
+    const int64_t Eq = m.q_proj_weight.size(0);
     const int64_t Ekv = m.num_kv_heads() * m.head_dim;
-    return {detail::project(query, m.q_proj_weight, rows_of(b, 0, E)),
-            detail::project(key, m.k_proj_weight, rows_of(b, E, Ekv)),
-            detail::project(value, m.v_proj_weight, rows_of(b, E + Ekv, Ekv)),
+    return {detail::project(query, m.q_proj_weight, rows_of(b, 0, Eq)),
+            detail::project(key, m.k_proj_weight, rows_of(b, Eq, Ekv)),
+            detail::project(value, m.v_proj_weight, rows_of(b, Eq + Ekv, Ekv)),
             torch::Tensor()};
   }
   const auto& w = m.in_proj_weight;
@@ -436,7 +438,10 @@ void check_projectable(const MultiHeadAttentionImpl& m, const char* caller) {
                        : o.window()        ? "window"
                        : o.position_bias() != PositionBias::kNone
                            ? "position_bias"
-                           : nullptr;
+                       : o.qk_norm() != QKNorm::kNone ? "qk_norm"
+                       : o.attention_sinks()          ? "attention_sinks"
+                       : o.output_gate()              ? "output_gate"
+                                                      : nullptr;
   TORCH_CHECK(option == nullptr, "MultiHeadAttention::", caller,
               ": the option ", option,
               " is not supported (it gives keys positions or extra rows)");

@@ -9,6 +9,7 @@
 #include "core/attention_core.h"
 #include "core/blas_threads.h"
 #include "mha/masks.h"
+#include "modules/attention_families.h"
 #include "modules/linear_attention_module.h"
 #include "modules/module_inputs.h"
 #include "modules/module_positions.h"
@@ -49,8 +50,9 @@ int64_t MultiHeadAttentionImpl::num_kv_heads() const {
 }
 
 bool MultiHeadAttentionImpl::packed_in_proj() const {
-  return kdim() == options.embed_dim() && vdim() == options.embed_dim() &&
-         num_kv_heads() == options.num_heads();
+  const int64_t E = options.embed_dim(), H = options.num_heads();
+  return kdim() == E && vdim() == E && num_kv_heads() == H &&
+         options.head_dim().value_or(E / H) * H == E && !options.output_gate();
 }
 
 void MultiHeadAttentionImpl::reset() {
@@ -58,8 +60,10 @@ void MultiHeadAttentionImpl::reset() {
   const int64_t H = options.num_heads();
   TORCH_CHECK(E > 0, "MultiHeadAttention: embed_dim must be > 0, but got ", E);
   TORCH_CHECK(H > 0, "MultiHeadAttention: num_heads must be > 0, but got ", H);
-  TORCH_CHECK(E % H == 0, "MultiHeadAttention: embed_dim (", E,
-              ") must be divisible by num_heads (", H, ")");
+  TORCH_CHECK(options.head_dim().has_value() || E % H == 0,
+              "MultiHeadAttention: embed_dim (", E,
+              ") must be divisible by num_heads (", H,
+              ") unless head_dim is set");
   const int64_t Hkv = num_kv_heads();
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0,
               "MultiHeadAttention: num_kv_heads must be > 0 and divide "
@@ -71,8 +75,11 @@ void MultiHeadAttentionImpl::reset() {
   TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0,
               "MultiHeadAttention: dropout must be in [0, 1), but got ",
               options.dropout());
-  head_dim = E / H;
+  detail::check_family_options(*this);  // attention_families.h
+  head_dim = options.head_dim().value_or(E / H);
   const int64_t Ekv = Hkv * head_dim;
+  // The query projection's rows: H·D, twice that with output_gate.
+  const int64_t Eq = H * head_dim * (options.output_gate() ? 2 : 1);
   if (options.rotary()) {
     TORCH_CHECK(options.rotary_dim().has_value() || head_dim % 2 == 0,
                 "MultiHeadAttention: rotary needs an even head_dim, but got "
@@ -145,7 +152,7 @@ void MultiHeadAttentionImpl::reset() {
     in_proj_weight =
         register_parameter("in_proj_weight", torch::empty({3 * E, E}));
   } else {
-    q_proj_weight = register_parameter("q_proj_weight", torch::empty({E, E}));
+    q_proj_weight = register_parameter("q_proj_weight", torch::empty({Eq, E}));
     k_proj_weight =
         register_parameter("k_proj_weight", torch::empty({Ekv, kdim()}));
     v_proj_weight =
@@ -153,7 +160,7 @@ void MultiHeadAttentionImpl::reset() {
   }
   if (options.bias()) {
     in_proj_bias =
-        register_parameter("in_proj_bias", torch::empty({E + 2 * Ekv}));
+        register_parameter("in_proj_bias", torch::empty({Eq + 2 * Ekv}));
   }
   if (options.add_bias_kv()) {
     bias_k = register_parameter("bias_k", torch::empty({1, 1, Ekv}));
@@ -161,13 +168,15 @@ void MultiHeadAttentionImpl::reset() {
   }
   out_proj = register_module(
       "out_proj",
-      torch::nn::Linear(torch::nn::LinearOptions(E, E).bias(options.bias())));
+      torch::nn::Linear(
+          torch::nn::LinearOptions(H * head_dim, E).bias(options.bias())));
   relative_attention_bias = nullptr;
   if (options.position_bias() == PositionBias::kRelative) {
     relative_attention_bias = register_module(
         "relative_attention_bias",
         torch::nn::Embedding(options.relative_num_buckets(), H));
   }
+  detail::register_family_parameters(*this);
   detail::reset_attention_kind(*this);  // linear_attention_module.h
   reset_parameters();
 }
@@ -196,6 +205,7 @@ void MultiHeadAttentionImpl::reset_parameters() {
     relative_attention_bias->weight.normal_(
         0.0, 1.0 / std::sqrt(static_cast<double>(options.embed_dim())));
   }
+  detail::reset_family_parameters(*this);
   detail::reset_attention_kind_parameters(*this);
 }
 
@@ -243,6 +253,23 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   if (options.window().has_value()) {
     stream << ", window=" << *options.window();
   }
+  if (options.head_dim().has_value()) {
+    stream << ", head_dim=" << *options.head_dim();
+  }
+  if (options.qk_norm() != QKNorm::kNone) {
+    const auto kind = options.qk_norm();
+    stream << ", qk_norm="
+           << (kind == QKNorm::kPerHead ? "per_head"
+               : kind == QKNorm::kFull  ? "full"
+                                        : "l2")
+           << (options.qk_norm_unit_offset() ? "(1 + weight)" : "");
+  }
+  if (options.attention_sinks()) {
+    stream << ", attention_sinks=true";
+  }
+  if (options.output_gate()) {
+    stream << ", output_gate=true";
+  }
   if (options.position_bias() == PositionBias::kAlibi) {
     stream << ", position_bias=alibi";
   } else if (options.position_bias() == PositionBias::kRelative) {
@@ -273,22 +300,34 @@ std::tuple<torch::Tensor, torch::Tensor> attend_and_project(
     const torch::Tensor& v, const torch::Tensor& mask,
     const detail::KeyPositions& positions, bool batched, bool need_weights,
     bool average_attn_weights, const torch::Tensor& packed = {},
-    const BlockMask& block_mask = {}) {
+    const BlockMask& block_mask = {}, const torch::Tensor& gate = {}) {
   const double p_drop = m.is_training() ? m.options.dropout() : 0.0;
   const double scale = m.options.scale().value_or(
       1.0 / std::sqrt(static_cast<double>(m.head_dim)));
+  const bool sinks = m.options.attention_sinks();
+  // Sinks scale each head's weights: averaged after that.
   const auto weights_mode = !need_weights ? detail::WeightsMode::kNone
-                            : average_attn_weights
+                            : average_attn_weights && !sinks
                                 ? detail::WeightsMode::kAverage
                                 : detail::WeightsMode::kPerHead;
-  // The options' score_mod and the call's block mask (FlexAttention).
+  // The options' score_mod and the call's block mask (FlexAttention); the
+  // logsumexp for the sinks.
   detail::FlexMods flex;
   flex.score_mod = m.options.score_mod();
   flex.block_mask = block_mask;
+  flex.return_lse = sinks;
   auto result = detail::attention_core(q, k, v, mask, positions, p_drop, scale,
                                        weights_mode, packed, &flex);
-  // (N, H, L, D) → (N, L, E) → out_proj
-  auto output = detail::project(merge_heads(result.output), m.out_proj->weight,
+  detail::apply_sinks(m, result.output, result.weights, result.lse);
+  if (sinks && need_weights && average_attn_weights) {
+    result.weights = result.weights.mean(1);  // (N, L, S')
+  }
+  // (N, H, L, D) → (N, L, H·D), gated → out_proj
+  auto merged = merge_heads(result.output);
+  if (gate.defined()) {
+    merged = merged * torch::sigmoid(gate);
+  }
+  auto output = detail::project(merged, m.out_proj->weight,
                                 m.out_proj->bias);  // (N, L, E)
   auto weights = result.weights;
   if (!batched) {
@@ -368,10 +407,14 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     p.v = torch::cat({p.v, bias_v.expand({N, 1, -1})}, 1);  // (N, S+1, Ekv)
   }
   const int64_t Hkv = num_kv_heads();
-  auto q = detail::split_heads(p.q, H);          // (N, H, L, D)
+  torch::Tensor gate;  // (N, L, H·D) with output_gate
+  auto q = detail::split_heads(detail::split_output_gate(*this, p.q, gate),
+                               H);               // (N, H, L, D)
   auto k = detail::split_heads(p.k, Hkv);        // (N, Hkv, S', D)
   auto v = detail::split_heads(p.v, Hkv);        // (N, Hkv, S', D)
+  detail::norm_before_rotary(*this, q, k);       // qk_norm
   detail::rotate_heads(*this, q, k, at, at, 0);  // row i at at[n][i], else at i
+  detail::norm_after_rotary(*this, q, k);
   if (options.add_zero_attn()) {
     k = torch::cat({k, torch::zeros({N, Hkv, 1, head_dim}, k.options())},
                    2);  // (N, Hkv, S'+1, D)
@@ -408,7 +451,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   }
   return attend_and_project(*this, q, k, v, mask, rules, in.batched,
                             need_weights, average_attn_weights, p.packed,
-                            block_mask);
+                            block_mask, gate);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
@@ -474,10 +517,14 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
   auto p =
       detail::project_inputs(*this, in.query, in.query, in.query,
                              /*self_attention=*/true, /*key_is_value=*/true);
-  auto q = detail::split_heads(p.q, H);          // (N, H, T, D)
+  torch::Tensor gate;  // (N, T, H·D) with output_gate
+  auto q = detail::split_heads(detail::split_output_gate(*this, p.q, gate),
+                               H);               // (N, H, T, D)
   auto k = detail::split_heads(p.k, Hkv);        // (N, Hkv, T, D)
   auto v = detail::split_heads(p.v, Hkv);        // (N, Hkv, T, D)
+  detail::norm_before_rotary(*this, q, k);       // qk_norm
   detail::rotate_heads(*this, q, k, at, at, P);  // row t at at[n][t] or P + t
+  detail::norm_after_rotary(*this, q, k);
   auto [k_all, v_all] = cache.append(k, v, at);  // (N, Hkv, P + T, D)
   const bool needs_grad =
       torch::GradMode::is_enabled() && (k.requires_grad() || v.requires_grad());
@@ -504,7 +551,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
   }
   auto mask = merge_masks({padding, rules_mask}, dtype);
   return attend_and_project(*this, q, k_all, v_all, mask, rules, in.batched,
-                            need_weights, average_attn_weights);
+                            need_weights, average_attn_weights, {}, {}, gate);
 }
 
 ProjectedKeyValue MultiHeadAttentionImpl::project_key_value(
