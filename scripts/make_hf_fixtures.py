@@ -12,7 +12,8 @@ with eager attention; weights are redrawn N(0, 0.2) so that attention is far
 from uniform. Run in the sid chroot (transformers 5.x, torch 2.x):
 
     /work/shared/tools/in-trixie.sh -r /opt/sid . -- \
-        python3 scripts/make_hf_fixtures.py
+        python3 scripts/make_hf_fixtures.py            # every case
+        python3 scripts/make_hf_fixtures.py families   # 2025's only
 """
 
 import json
@@ -116,9 +117,12 @@ def case(name, model, layer=0, mask=None, how="safetensors", stack="encoder",
     print(f"{name}: layer {layer}, output {list(tensors['output'].shape)}")
 
 
-def cached_case(name, model):
+def cached_case(name, model, layer=0):
     """Left-padded batched decoding through one DynamicCache: a prompt step,
-    then three steps of one token; the layer's input and output per step."""
+    then three steps of one token; the layer's input and output per step.
+    (A sliding layer's cache in transformers keeps only the window's
+    tokens, and so its weights have fewer columns than mha's: use a full
+    layer.)"""
     path = os.path.join(ROOT, name)
     shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(77)
@@ -126,7 +130,7 @@ def cached_case(name, model):
     mask = torch.tensor([[1] * prompt, [0, 0] + [1] * (prompt - 2)])
     ids = torch.randint(0, VOCAB, (N, prompt))
     cache = tf.DynamicCache(config=model.config)
-    mod = rr.attention_module_name(model, 0)
+    mod = rr.attention_module_name(model, layer)
     tensors = {}
     steps = 4
     for step in range(steps):
@@ -145,7 +149,7 @@ def cached_case(name, model):
         tensors[f"step{step}.position_ids"] = pos
     tensors["attention_mask"] = mask
     save_model(model, path)
-    write_reference(path, tensors, rr.metadata(model, 0, "encoder"))
+    write_reference(path, tensors, rr.metadata(model, layer, "encoder"))
     print(f"{name}: {steps} steps")
 
 
@@ -301,5 +305,42 @@ def main():
     print(f"total {total / 1024:.0f} KiB")
 
 
+def main_families():
+    """The 2025 families (issue 60): `make_hf_fixtures.py families` writes
+    only these, leaving the other cases as they are."""
+    os.makedirs(ROOT, exist_ok=True)
+    torch.set_grad_enabled(False)
+    # Qwen3: head_dim 12 (4 heads x 12 != 32), per-head q/k RMSNorm before
+    # rotary; layer 1 slides (window 3).
+    qwen3 = build(tf.Qwen3Model,
+                  llama_like(tf.Qwen3Config, 2, head_dim=12,
+                             use_sliding_window=True, sliding_window=3,
+                             max_window_layers=1), 30)
+    case("qwen3", qwen3, layer=0, mask=RIGHT_PADDED)
+    case("qwen3_window", qwen3, layer=1)
+    cached_case("qwen3_cache", qwen3)
+    # OLMo 2: RMSNorm over the whole q and k projections.
+    olmo2 = build(tf.Olmo2Model, llama_like(tf.Olmo2Config), 31)
+    case("olmo2", olmo2, mask=RIGHT_PADDED)
+    # gpt-oss: sinks, biases, head_dim 12; layer 0 slides (window 3), layer
+    # 1 is full. Plain rotary (its default YaRN has truncate=false, which
+    # mha's RotaryScaling does not read).
+    oss = build(tf.GptOssModel,
+                tf.GptOssConfig(**common(
+                    hidden_size=32, intermediate_size=16,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                    num_hidden_layers=2, num_local_experts=2,
+                    num_experts_per_tok=1, sliding_window=3,
+                    max_position_embeddings=64,
+                    rope_parameters={"rope_type": "default",
+                                     "rope_theta": 10000.0})), 32)
+    case("gpt_oss", oss, layer=0, mask=RIGHT_PADDED)
+    case("gpt_oss_full", oss, layer=1, mask=RIGHT_PADDED)
+    cached_case("gpt_oss_cache", oss, layer=1)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["families"]:
+        main_families()
+    else:
+        main()

@@ -398,11 +398,13 @@ TEST(HfTest, UnsupportedConfigValuesNameKeyAndValue) {
               "num_attention_heads": 4, "num_hidden_layers": 1,
               "position_embedding_type": "relative_key"})"),
                    "position_embedding_type 'relative_key' is not supported");
-  EXPECT_THROW_MSG(attention_options_from_config(
-                       R"({"model_type": "llama", "hidden_size": 32,
+  // A head_dim other than E / H is the module's head_dim (Qwen3, gpt-oss).
+  EXPECT_EQ(attention_options_from_config(
+                R"({"model_type": "llama", "hidden_size": 32,
               "num_attention_heads": 4, "num_hidden_layers": 1,
-              "head_dim": 16})"),
-                   "head_dim 16 is not supported");
+              "head_dim": 16})")
+                .head_dim(),
+            c10::optional<int64_t>(16));
   EXPECT_THROW_MSG(attention_options_from_config(
                        R"({"model_type": "llama", "hidden_size": 32,
               "num_attention_heads": 4, "num_hidden_layers": 1,

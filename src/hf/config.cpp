@@ -308,23 +308,6 @@ std::string partial_text(const Rope& rope) {
   return text.str();
 }
 
-/// Checks that the config's head_dim (when present) is E / H, the only
-/// head size mha's module has.
-void check_head_dim(const json& config, int64_t embed_dim, int64_t num_heads,
-                    const char* head_dim_key, const std::string& where) {
-  TORCH_CHECK(embed_dim % num_heads == 0, where, ": the hidden size ",
-              embed_dim, " is not divisible by the ", num_heads,
-              " attention heads");
-  const int64_t head_dim =
-      opt_int(config, head_dim_key, embed_dim / num_heads, where);
-  TORCH_CHECK(head_dim == embed_dim / num_heads, where, ": ", head_dim_key, " ",
-              head_dim,
-              " is not supported: mha's heads have hidden size / "
-              "heads = ",
-              embed_dim, " / ", num_heads, " = ", embed_dim / num_heads,
-              " features");
-}
-
 std::string layer_str(int64_t layer) { return std::to_string(layer); }
 
 }  // namespace
@@ -366,7 +349,8 @@ LayerSpec layer_spec(const json& config, int64_t layer,
   int64_t E = 0;
   int64_t H = 0;
   int64_t layers = 0;
-  if (t == "llama" || t == "mistral" || t == "qwen2") {
+  if (t == "llama" || t == "mistral" || t == "qwen2" || t == "qwen3" ||
+      t == "olmo2" || t == "gpt_oss") {
     spec.family = Family::kLlama;
     E = get_int(config, {"hidden_size"}, where);
     H = get_int(config, {"num_attention_heads"}, where);
@@ -430,8 +414,9 @@ LayerSpec layer_spec(const json& config, int64_t layer,
         stack + ".block.0.layer.0.SelfAttention.relative_attention_bias.weight";
   } else {
     TORCH_CHECK(false, where, ": model_type '", t,
-                "' is not supported (supported: llama, mistral, qwen2, gptj, "
-                "gpt_neox, falcon, bloom, gpt2, bert, t5)");
+                "' is not supported (supported: llama, mistral, qwen2, qwen3, "
+                "olmo2, gpt_oss, gptj, gpt_neox, falcon, bloom, gpt2, bert, "
+                "t5)");
   }
   TORCH_CHECK(layer >= 0 && layer < layers, where, ": layer ", layer,
               " out of range: the ",
@@ -440,10 +425,19 @@ LayerSpec layer_spec(const json& config, int64_t layer,
 
   MultiHeadAttentionOptions o(E, H);
   o.batch_first(true);
-  const int64_t D = E / std::max<int64_t>(H, 1);
+  int64_t D = E / std::max<int64_t>(H, 1);
   switch (spec.family) {
     case Family::kLlama: {
-      check_head_dim(config, E, H, "head_dim", where);
+      // head_dim: Qwen3, gpt-oss (and any Llama-like config that sets it)
+      // may have H · head_dim != E.
+      TORCH_CHECK(H > 0, where, ": num_attention_heads must be > 0, got ", H);
+      const bool divisible = E % H == 0;
+      D = opt_int(config, "head_dim", divisible ? E / H : 0, where);
+      TORCH_CHECK(D > 0, where, ": head_dim must be > 0 (the hidden size ", E,
+                  " is not divisible by the ", H, " heads), got ", D);
+      if (!divisible || D != E / H) {
+        o.head_dim(D);
+      }
       const int64_t Hkv = opt_int(config, "num_key_value_heads", H, where);
       TORCH_CHECK(Hkv > 0 && H % Hkv == 0, where, ": num_key_value_heads ", Hkv,
                   " must divide num_attention_heads ", H);
@@ -453,9 +447,20 @@ LayerSpec layer_spec(const json& config, int64_t layer,
       if (t == "qwen2") {
         spec.qkv_bias = true;  // Qwen2Attention: q/k/v biases, o_proj none
         spec.out_bias = false;
-      } else if (t == "llama") {
+      } else if (t == "llama" || t == "qwen3" || t == "olmo2") {
         spec.qkv_bias = spec.out_bias =
             opt_bool(config, "attention_bias", false, where);
+      } else if (t == "gpt_oss") {
+        // GptOssConfig: attention_bias true; GptOssAttention's sinks.
+        spec.qkv_bias = spec.out_bias =
+            opt_bool(config, "attention_bias", true, where);
+        o.attention_sinks(true);
+      }
+      if (t == "qwen3" || t == "olmo2") {
+        // Qwen3Attention: RMSNorm per head; Olmo2Attention: over the whole
+        // projection; both before rotary, eps = rms_norm_eps.
+        o.qk_norm(t == "qwen3" ? QKNorm::kPerHead : QKNorm::kFull);
+        o.qk_norm_eps(opt_double(config, "rms_norm_eps", 1e-6, where));
       }
       const int64_t max_pos =
           opt_int(config, "max_position_embeddings", 0, where);

@@ -49,18 +49,22 @@ void split_fused(const torch::Tensor& t, int64_t groups, int64_t q_per,
   *v = flat(grouped.select(1, q_per + 1));  // (groups · D, ...)
 }
 
-/// Separate q/k/v/o linear layers named prefix + {q, k, v, o} + ".weight".
+/// Separate q/k/v/o linear layers named prefix + {q, k, v, o} + ".weight";
+/// Eq = H · D query rows (E unless head_dim says otherwise).
 Projections separate(const LayerSpec& spec, const LayerTensors& t,
                      const std::vector<std::string>& names, int64_t E,
-                     int64_t Ekv) {
+                     int64_t Ekv, int64_t Eq = 0) {
   const std::string& P = spec.prefix;
+  if (Eq == 0) {
+    Eq = E;
+  }
   Projections p;
-  p.wq = t.get(P + names[0] + ".weight", {E, E});
+  p.wq = t.get(P + names[0] + ".weight", {Eq, E});
   p.wk = t.get(P + names[1] + ".weight", {Ekv, E});
   p.wv = t.get(P + names[2] + ".weight", {Ekv, E});
-  p.wo = t.get(P + names[3] + ".weight", {E, E});
+  p.wo = t.get(P + names[3] + ".weight", {E, Eq});
   if (spec.qkv_bias) {
-    p.bq = t.get(P + names[0] + ".bias", {E});
+    p.bq = t.get(P + names[0] + ".bias", {Eq});
     p.bk = t.get(P + names[1] + ".bias", {Ekv});
     p.bv = t.get(P + names[2] + ".bias", {Ekv});
   }
@@ -74,14 +78,14 @@ Projections projections(const LayerSpec& spec, const LayerTensors& t) {
   const auto& o = spec.options;
   const int64_t E = o.embed_dim();
   const int64_t H = o.num_heads();
-  const int64_t D = E / H;
+  const int64_t D = o.head_dim().value_or(E / H);
   const int64_t Hkv = o.num_kv_heads().value_or(H);
   const int64_t Ekv = Hkv * D;
   const std::string& P = spec.prefix;
   switch (spec.family) {
     case Family::kLlama:
       return separate(spec, t, {"q_proj", "k_proj", "v_proj", "o_proj"}, E,
-                      Ekv);
+                      Ekv, H * D);
     case Family::kGptJ:
       return separate(spec, t, {"q_proj", "k_proj", "v_proj", "out_proj"}, E,
                       Ekv);
@@ -185,6 +189,20 @@ MultiHeadAttention build_attention(const LayerSpec& spec,
                                {o.relative_num_buckets(), o.num_heads()});
     torch::NoGradGuard no_grad;
     module->relative_attention_bias->weight.copy_(w);
+  }
+  // Qwen3 / OLMo 2 q_norm, k_norm; gpt-oss sinks (same names in the
+  // checkpoint, under the attention's prefix).
+  torch::NoGradGuard no_grad;
+  for (auto* norm : {&module->q_norm, &module->k_norm}) {
+    if (*norm) {
+      const std::string name = norm == &module->q_norm ? "q_norm" : "k_norm";
+      (*norm)->weight.copy_(tensors.get(spec.prefix + name + ".weight",
+                                        {(*norm)->weight.size(0)}));
+    }
+  }
+  if (module->sinks.defined()) {
+    module->sinks.copy_(
+        tensors.get(spec.prefix + "sinks", {spec.options.num_heads()}));
   }
   return module;
 }
