@@ -28,10 +28,11 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-#define MHA_X24(X)                                                           \
-  X(0)                                                                       \
-  X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) \
-      X(15) X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
+#define MHA_X24(X)                                                            \
+  X(0)                                                                        \
+  X(1)                                                                        \
+  X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15) \
+      X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
 
 void instruction_throughput() {
   const long n = 1200000000;  // instructions of each kind

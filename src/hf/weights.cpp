@@ -84,8 +84,8 @@ Projections projections(const LayerSpec& spec, const LayerTensors& t) {
   const std::string& P = spec.prefix;
   switch (spec.family) {
     case Family::kLlama:
-      return separate(spec, t, {"q_proj", "k_proj", "v_proj", "o_proj"}, E,
-                      Ekv, H * D);
+      return separate(spec, t, {"q_proj", "k_proj", "v_proj", "o_proj"}, E, Ekv,
+                      H * D);
     case Family::kGptJ:
       return separate(spec, t, {"q_proj", "k_proj", "v_proj", "out_proj"}, E,
                       Ekv);
