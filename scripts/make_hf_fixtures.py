@@ -337,6 +337,55 @@ def main_families():
     case("gpt_oss", oss, layer=0, mask=RIGHT_PADDED)
     case("gpt_oss_full", oss, layer=1, mask=RIGHT_PADDED)
     cached_case("gpt_oss_cache", oss, layer=1)
+    # Gemma 3 (text): head_dim 12, norms scaled by 1 + weight, scale
+    # query_pre_attn_scalar^-1/2, local (sliding, window 3, rope 10000)
+    # and global (rope 1e6, linear scaling) layers.
+    gemma3 = build(tf.Gemma3ForCausalLM,
+                   tf.Gemma3TextConfig(**common(
+                       hidden_size=32, intermediate_size=16,
+                       num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=12, num_hidden_layers=2,
+                       query_pre_attn_scalar=20, sliding_window=3,
+                       layer_types=["sliding_attention", "full_attention"],
+                       max_position_embeddings=64,
+                       rope_parameters={
+                           "sliding_attention": {"rope_type": "default",
+                                                 "rope_theta": 10000.0},
+                           "full_attention": {"rope_type": "linear",
+                                              "factor": 2.0,
+                                              "rope_theta": 1000000.0}})),
+                   33)
+    case("gemma3", gemma3, layer=0, mask=RIGHT_PADDED)
+    case("gemma3_global", gemma3, layer=1, mask=RIGHT_PADDED)
+    # Qwen3-Next: the full-attention layer (1) of a [linear, full] pair:
+    # output gate, (1 + weight) norms, a quarter of head_dim rotated.
+    qnext = build(tf.Qwen3NextModel,
+                  tf.Qwen3NextConfig(**common(
+                      hidden_size=32, intermediate_size=16,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_hidden_layers=2,
+                      layer_types=["linear_attention", "full_attention"],
+                      linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=8, linear_value_head_dim=8,
+                      num_experts=2, num_experts_per_tok=1,
+                      moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16,
+                      max_position_embeddings=64)), 34)
+    case("qwen3_next", qnext, layer=1, mask=RIGHT_PADDED)
+    # Llama 4 (text): rope layers 0-2 chunked (3 positions), L2 norm,
+    # interleaved rotary; layer 3 NoPE with temperature tuning (floor_scale
+    # 2 so that 6 tokens see it).
+    llama4 = build(tf.Llama4ForCausalLM,
+                   tf.Llama4TextConfig(**common(
+                       hidden_size=32, intermediate_size=16,
+                       intermediate_size_mlp=16, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8,
+                       num_hidden_layers=4, num_local_experts=2,
+                       num_experts_per_tok=1, attention_chunk_size=3,
+                       floor_scale=2, attn_scale=0.5,
+                       max_position_embeddings=64)), 35)
+    case("llama4_chunked", llama4, layer=0, mask=RIGHT_PADDED)
+    case("llama4_nope", llama4, layer=3, mask=RIGHT_PADDED)
 
 
 if __name__ == "__main__":

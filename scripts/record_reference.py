@@ -37,6 +37,9 @@ def attention_module_name(model, layer, stack="encoder"):
         "qwen3": f"layers.{layer}.self_attn",
         "olmo2": f"layers.{layer}.self_attn",
         "gpt_oss": f"layers.{layer}.self_attn",
+        "gemma3_text": f"layers.{layer}.self_attn",
+        "qwen3_next": f"layers.{layer}.self_attn",
+        "llama4_text": f"layers.{layer}.self_attn",
         "gptj": f"h.{layer}.attn",
         "gpt2": f"h.{layer}.attn",
         "gpt_neox": f"layers.{layer}.attention",
@@ -48,7 +51,7 @@ def attention_module_name(model, layer, stack="encoder"):
     if t not in names:
         raise SystemExit(f"model_type {t!r} is not one mha::hf reads")
     modules = dict(model.named_modules())
-    for prefix in ("", model.base_model_prefix + "."):
+    for prefix in ("", model.base_model_prefix + ".", "model."):
         if prefix + names[t] in modules:
             return prefix + names[t]
     raise SystemExit(f"no module {names[t]!r} in the model")

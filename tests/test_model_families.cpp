@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+
 #include "fixture_helpers.h"
 #include "mha/flex_attention.h"
 #include "mha/hf.h"
@@ -87,6 +89,15 @@ std::pair<torch::Tensor, torch::Tensor> reference(
     q = rms(q, {-1}, {}, o);
     k = rms(k, {-1}, {}, o);
   }
+  if (o.attn_temperature_tuning().has_value()) {  // Llama 4's NoPE layers
+    const auto& tuning = *o.attn_temperature_tuning();
+    for (int64_t i = 0; i < L; ++i) {
+      const double s = std::log1p(std::floor((i + 1.0) / tuning.floor_scale)) *
+                           tuning.attn_scale +
+                       1.0;
+      q.select(2, i).mul_(s);
+    }
+  }
   k = k.repeat_interleave(H / Hkv, 1);
   v = v.repeat_interleave(H / Hkv, 1);
   const double scale = o.scale().value_or(1.0 / std::sqrt(double(D)));
@@ -98,6 +109,16 @@ std::pair<torch::Tensor, torch::Tensor> reference(
   }
   if (key_padding.defined()) {
     blocked = blocked.logical_or(key_padding.view({N, 1, 1, L}));
+  }
+  if (o.attention_chunk_size().has_value()) {  // Llama 4's chunks
+    const int64_t c = *o.attention_chunk_size();
+    auto other_chunk = torch::zeros({L, L}, blocked.options());
+    for (int64_t i = 0; i < L; ++i) {
+      for (int64_t j = 0; j < L; ++j) {
+        other_chunk[i][j] = i / c != j / c;
+      }
+    }
+    blocked = blocked.logical_or(other_chunk);
   }
   scores = scores.masked_fill(blocked, -kInf);
   torch::Tensor w;
@@ -201,6 +222,27 @@ TEST(ModelFamilies, Llama4L2NormAfterRotary) {
                            false, true);
 }
 
+TEST(ModelFamilies, Llama4ChunksAndTemperatureTuning) {
+  mha::AttnTemperatureTuning tuning;
+  tuning.floor_scale = 2.0;
+  tuning.attn_scale = 0.5;
+  expect_matches_reference(MultiHeadAttentionOptions(16, 4)
+                               .num_kv_heads(2)
+                               .bias(false)
+                               .rotary(true)
+                               .rotary_pairing(mha::RotaryPairing::kHalf)
+                               .qk_norm(QKNorm::kL2)
+                               .attention_chunk_size(3),
+                           // (padding would leave row 6, alone in its chunk,
+                           // fully masked: 0 here, NaN in the reference)
+                           /*padding=*/false, true);
+  expect_matches_reference(MultiHeadAttentionOptions(16, 4)
+                               .num_kv_heads(2)
+                               .bias(false)
+                               .attn_temperature_tuning(tuning),
+                           true, true);
+}
+
 TEST(ModelFamilies, GptOssSinks) {
   // Sinks with biases, grouped heads, padding; and without causality.
   expect_matches_reference(MultiHeadAttentionOptions(16, 4)
@@ -261,7 +303,12 @@ TEST(ModelFamilies, CachedDecodingEqualsForward) {
             .attention_sinks(true)
             .output_gate(true),
         MultiHeadAttentionOptions(16, 4).rotary(true).qk_norm(QKNorm::kFull),
-        MultiHeadAttentionOptions(16, 4).rotary(true).qk_norm(QKNorm::kL2)}) {
+        MultiHeadAttentionOptions(16, 4)
+            .rotary(true)
+            .qk_norm(QKNorm::kL2)
+            .attention_chunk_size(4),
+        MultiHeadAttentionOptions(16, 4).attn_temperature_tuning(
+            mha::AttnTemperatureTuning{2.0, 0.5})}) {
     MultiHeadAttention m(options);
     spread(m, 7);
     auto x = torch::randn({2, 6, 16}, torch::kFloat64);
@@ -314,6 +361,11 @@ TEST(ModelFamilies, BadOptionsNameTheOption) {
   throws_with(MultiHeadAttentionOptions(16, 4).head_dim(0), "head_dim");
   throws_with(MultiHeadAttentionOptions(16, 4).qk_norm_eps(-1.0),
               "qk_norm_eps");
+  throws_with(MultiHeadAttentionOptions(16, 4).attention_chunk_size(0),
+              "attention_chunk_size");
+  throws_with(MultiHeadAttentionOptions(16, 4).attn_temperature_tuning(
+                  mha::AttnTemperatureTuning{0.0, 0.1}),
+              "floor_scale");
   throws_with(
       MultiHeadAttentionOptions(16, 4).attention_sinks(true).add_bias_kv(true),
       "attention_sinks");
@@ -411,11 +463,15 @@ TEST_P(FamilyFixtureTest, MatchesTransformers) {
 INSTANTIATE_TEST_SUITE_P(Families2025, FamilyFixtureTest,
                          ::testing::Values("qwen3", "qwen3_window",
                                            "qwen3_cache", "olmo2", "gpt_oss",
-                                           "gpt_oss_full", "gpt_oss_cache"));
+                                           "gpt_oss_full", "gpt_oss_cache",
+                                           "gemma3", "gemma3_global",
+                                           "qwen3_next", "llama4_chunked",
+                                           "llama4_nope"));
 
 // The options each family loads with, and that the fixtures catch one left
 // out: Qwen3 and OLMo 2 without their norms' weights, gpt-oss without its
-// sinks are outside the tolerance.
+// sinks, Llama 4 without its chunks or its temperature tuning, Qwen3-Next's
+// norms without the unit offset are outside the tolerance.
 TEST(FamilyFixtures, OptionsAndWhatTheyCatch) {
   const auto qwen3 = mha::hf::attention_options(fixtures::path("hf/qwen3"), 0);
   EXPECT_EQ(qwen3.head_dim(), c10::optional<int64_t>(12));
@@ -430,6 +486,32 @@ TEST(FamilyFixtures, OptionsAndWhatTheyCatch) {
   EXPECT_EQ(oss.window(), c10::optional<int64_t>(3));
   EXPECT_EQ(mha::hf::attention_options(fixtures::path("hf/olmo2"), 0).qk_norm(),
             QKNorm::kFull);
+  const auto gemma = mha::hf::attention_options(fixtures::path("hf/gemma3"), 0);
+  EXPECT_TRUE(gemma.qk_norm_unit_offset());
+  EXPECT_DOUBLE_EQ(*gemma.scale(), 1.0 / std::sqrt(20.0));
+  EXPECT_EQ(gemma.window(), c10::optional<int64_t>(3));
+  const auto next =
+      mha::hf::attention_options(fixtures::path("hf/qwen3_next"), 1);
+  EXPECT_TRUE(next.output_gate());
+  EXPECT_EQ(next.rotary_dim(), c10::optional<int64_t>(4));
+  try {
+    mha::hf::attention_options(fixtures::path("hf/qwen3_next"), 0);
+    ADD_FAILURE() << "a linear_attention layer loaded as attention";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("linear_attention"),
+              std::string::npos);
+  }
+  const auto chunked =
+      mha::hf::attention_options(fixtures::path("hf/llama4_chunked"), 0);
+  EXPECT_EQ(chunked.attention_chunk_size(), c10::optional<int64_t>(3));
+  EXPECT_EQ(chunked.qk_norm(), QKNorm::kL2);
+  EXPECT_EQ(chunked.rotary_pairing(), mha::RotaryPairing::kInterleaved);
+  const auto nope =
+      mha::hf::attention_options(fixtures::path("hf/llama4_nope"), 3);
+  EXPECT_FALSE(nope.rotary());
+  ASSERT_TRUE(nope.attn_temperature_tuning().has_value());
+  EXPECT_DOUBLE_EQ(nope.attn_temperature_tuning()->floor_scale, 2.0);
+  EXPECT_FALSE(nope.attention_chunk_size().has_value());
 
   auto fails_with = [](const std::string& name,
                        std::function<void(mha::MultiHeadAttentionImpl&)> edit) {
@@ -446,6 +528,15 @@ TEST(FamilyFixtures, OptionsAndWhatTheyCatch) {
   fails_with("gpt_oss", [](mha::MultiHeadAttentionImpl& m) {
     torch::NoGradGuard no_grad;
     m.sinks.fill_(-1e4);  // no sink: a plain softmax
+  });
+  fails_with("llama4_chunked", [](mha::MultiHeadAttentionImpl& m) {
+    m.options.attention_chunk_size(c10::nullopt);
+  });
+  fails_with("llama4_nope", [](mha::MultiHeadAttentionImpl& m) {
+    m.options.attn_temperature_tuning(c10::nullopt);
+  });
+  fails_with("qwen3_next", [](mha::MultiHeadAttentionImpl& m) {
+    m.options.qk_norm_unit_offset(false);
   });
   fails_with("olmo2", [](mha::MultiHeadAttentionImpl& m) {
     torch::NoGradGuard no_grad;

@@ -64,6 +64,19 @@ class NormWeightImpl : public torch::nn::Cloneable<NormWeightImpl> {
 /// Holder of NormWeightImpl.
 TORCH_MODULE(NormWeight);
 
+/// Llama 4's attention temperature tuning of its NoPE layers (Nakanishi,
+/// 2025, "Scalable-Softmax"; transformers' Llama4TextAttention): the query
+/// of the token at index t (0-based, counting the tokens before it in a
+/// cache; not its position id) is multiplied by
+/// log1p(floor((t + 1) / floor_scale)) · attn_scale + 1, computed in float32
+/// (float64 for float64 queries). Fields named as the config keys.
+struct AttnTemperatureTuning {
+  /// Tokens per step of the logarithm (config floor_scale; > 0).
+  double floor_scale = 8192.0;
+  /// The logarithm's factor (config attn_scale).
+  double attn_scale = 0.1;
+};
+
 /// Options for MultiHeadAttention; names and defaults as PyTorch's, except
 /// batch_first (true here).
 struct MultiHeadAttentionOptions {
@@ -232,6 +245,17 @@ struct MultiHeadAttentionOptions {
   /// layout), and the attention's output is multiplied by sigmoid(gate)
   /// before out_proj. transformers' Qwen3NextAttention. Default false.
   TORCH_ARG(bool, output_gate) = false;
+  /// Llama 4's chunked attention: a query at position p sees only keys
+  /// whose position lies in its chunk, floor(position / size) equal
+  /// (positions as for window: explicit ones where given, else the token
+  /// indices; forward_cached: the cache's). Combined with is_causal as
+  /// transformers' chunked mask. Built as a dense (N, 1, L, S) mask. >= 1;
+  /// default nullopt: none. Not with add_bias_kv / add_zero_attn.
+  TORCH_ARG(c10::optional<int64_t>, attention_chunk_size) = c10::nullopt;
+  /// Llama 4's temperature tuning of the queries (AttnTemperatureTuning),
+  /// applied after rotary and the norms. Default nullopt: none.
+  TORCH_ARG(c10::optional<AttnTemperatureTuning>,
+            attn_temperature_tuning) = c10::nullopt;
 };
 
 /// The keys and values of a fixed key/value sequence (an encoder's memory)

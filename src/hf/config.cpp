@@ -22,88 +22,6 @@ namespace {
 
 using nlohmann::json;
 
-/// The value of the first of `keys` that config holds and is not null, or
-/// nullptr.
-const json* find_key(const json& config,
-                     std::initializer_list<const char*> keys,
-                     std::string* found = nullptr) {
-  for (const char* key : keys) {
-    auto it = config.find(key);
-    if (it != config.end() && !it->is_null()) {
-      if (found != nullptr) {
-        *found = key;
-      }
-      return &*it;
-    }
-  }
-  return nullptr;
-}
-
-std::string key_list(std::initializer_list<const char*> keys) {
-  std::string out;
-  for (const char* key : keys) {
-    out += (out.empty() ? "" : " or ") + std::string(key);
-  }
-  return out;
-}
-
-/// A required integer: the first of `keys` present.
-int64_t get_int(const json& config, std::initializer_list<const char*> keys,
-                const std::string& where) {
-  std::string key;
-  const json* value = find_key(config, keys, &key);
-  TORCH_CHECK(value != nullptr, where, ": needs ", key_list(keys),
-              " (an integer), which it lacks");
-  TORCH_CHECK(value->is_number_integer() && value->get<int64_t>() > 0, where,
-              ": ", key, " must be an integer > 0, got ", value->dump());
-  return value->get<int64_t>();
-}
-
-/// An optional integer, `fallback` when absent or null.
-int64_t opt_int(const json& config, const char* key, int64_t fallback,
-                const std::string& where) {
-  const json* value = find_key(config, {key});
-  if (value == nullptr) {
-    return fallback;
-  }
-  TORCH_CHECK(value->is_number_integer(), where, ": ", key,
-              " must be an integer, got ", value->dump());
-  return value->get<int64_t>();
-}
-
-double opt_double(const json& config, const char* key, double fallback,
-                  const std::string& where) {
-  const json* value = find_key(config, {key});
-  if (value == nullptr) {
-    return fallback;
-  }
-  TORCH_CHECK(value->is_number(), where, ": ", key, " must be a number, got ",
-              value->dump());
-  return value->get<double>();
-}
-
-bool opt_bool(const json& config, const char* key, bool fallback,
-              const std::string& where) {
-  const json* value = find_key(config, {key});
-  if (value == nullptr) {
-    return fallback;
-  }
-  TORCH_CHECK(value->is_boolean(), where, ": ", key,
-              " must be true or false, got ", value->dump());
-  return value->get<bool>();
-}
-
-std::string opt_string(const json& config, const char* key,
-                       const std::string& fallback, const std::string& where) {
-  const json* value = find_key(config, {key});
-  if (value == nullptr) {
-    return fallback;
-  }
-  TORCH_CHECK(value->is_string(), where, ": ", key, " must be a string, got ",
-              value->dump());
-  return value->get<std::string>();
-}
-
 /// The rotary settings of a layer, from either generation of config.json:
 /// 5.x `rope_parameters` (one dict, or one per entry of layer_types), 4.x
 /// `rope_theta` + `rope_scaling` at the top level. GPT-NeoX 4.x
@@ -270,7 +188,7 @@ void set_rotary(MultiHeadAttentionOptions& o, const json& config,
                 const Rope& rope, c10::optional<int64_t> rotary_dim,
                 const std::string& rotary_key, RotaryPairing pairing,
                 int64_t max_position_embeddings, const std::string& where) {
-  const int64_t head_dim = o.embed_dim() / o.num_heads();
+  const int64_t head_dim = o.head_dim().value_or(o.embed_dim() / o.num_heads());
   TORCH_CHECK(std::isfinite(rope.theta) && rope.theta > 0, where, ": ",
               rope.params_key, ".rope_theta must be finite and > 0, got ",
               rope.theta);
@@ -345,12 +263,28 @@ LayerSpec layer_spec(const json& config, int64_t layer,
   TORCH_CHECK(stack == "encoder" || (stack == "decoder" && t == "t5"), where,
               ": stack must be \"encoder\" (or \"decoder\" for T5), got '",
               stack, "' for model_type '", t, "'");
+  if (t == "gemma3" || t == "llama4") {
+    // The multimodal models: the language model's config is text_config,
+    // its tensors under model.language_model.
+    const json* text = find_key(config, {"text_config"});
+    TORCH_CHECK(text != nullptr && text->is_object(), where, ": model_type '",
+                t, "' needs a text_config object, which it lacks");
+    json text_config = *text;
+    if (!text_config.contains("model_type")) {
+      text_config["model_type"] = t + "_text";
+    }
+    auto text_spec =
+        layer_spec(text_config, layer, stack, where + " text_config");
+    text_spec.base_prefix = "model.language_model.";
+    return text_spec;
+  }
   const std::string L = layer_str(layer);
   int64_t E = 0;
   int64_t H = 0;
   int64_t layers = 0;
   if (t == "llama" || t == "mistral" || t == "qwen2" || t == "qwen3" ||
-      t == "olmo2" || t == "gpt_oss") {
+      t == "olmo2" || t == "gpt_oss" || t == "gemma3_text" ||
+      t == "qwen3_next" || t == "llama4_text") {
     spec.family = Family::kLlama;
     E = get_int(config, {"hidden_size"}, where);
     H = get_int(config, {"num_attention_heads"}, where);
@@ -415,8 +349,8 @@ LayerSpec layer_spec(const json& config, int64_t layer,
   } else {
     TORCH_CHECK(false, where, ": model_type '", t,
                 "' is not supported (supported: llama, mistral, qwen2, qwen3, "
-                "olmo2, gpt_oss, gptj, gpt_neox, falcon, bloom, gpt2, bert, "
-                "t5)");
+                "olmo2, gpt_oss, gemma3, gemma3_text, qwen3_next, llama4, "
+                "llama4_text, gptj, gpt_neox, falcon, bloom, gpt2, bert, t5)");
   }
   TORCH_CHECK(layer >= 0 && layer < layers, where, ": layer ", layer,
               " out of range: the ",
@@ -447,28 +381,13 @@ LayerSpec layer_spec(const json& config, int64_t layer,
       if (t == "qwen2") {
         spec.qkv_bias = true;  // Qwen2Attention: q/k/v biases, o_proj none
         spec.out_bias = false;
-      } else if (t == "llama" || t == "qwen3" || t == "olmo2") {
+      } else if (t == "llama") {
         spec.qkv_bias = spec.out_bias =
             opt_bool(config, "attention_bias", false, where);
-      } else if (t == "gpt_oss") {
-        // GptOssConfig: attention_bias true; GptOssAttention's sinks.
-        spec.qkv_bias = spec.out_bias =
-            opt_bool(config, "attention_bias", true, where);
-        o.attention_sinks(true);
       }
-      if (t == "qwen3" || t == "olmo2") {
-        // Qwen3Attention: RMSNorm per head; Olmo2Attention: over the whole
-        // projection; both before rotary, eps = rms_norm_eps.
-        o.qk_norm(t == "qwen3" ? QKNorm::kPerHead : QKNorm::kFull);
-        o.qk_norm_eps(opt_double(config, "rms_norm_eps", 1e-6, where));
-      }
-      const int64_t max_pos =
-          opt_int(config, "max_position_embeddings", 0, where);
-      const Rope rope = read_rope(config, layer, 10000.0, where);
-      set_rotary(o, config, rope, partial_dim(rope, D), partial_text(rope),
-                 RotaryPairing::kHalf, max_pos, where);
       // Sliding windows: 5.x layer_types; 4.x Mistral sliding_window, 4.x
-      // Qwen2 use_sliding_window from max_window_layers on.
+      // Qwen2 use_sliding_window from max_window_layers on, 4.x Gemma 3
+      // sliding_window_pattern.
       const json* types = find_key(config, {"layer_types"});
       bool sliding = false;
       if (types != nullptr) {
@@ -478,22 +397,71 @@ LayerSpec layer_spec(const json& config, int64_t layer,
                     where, ": layer_types must list a string per layer, got ",
                     types->dump());
         const std::string type = (*types)[layer].get<std::string>();
-        TORCH_CHECK(type == "full_attention" || type == "sliding_attention",
+        TORCH_CHECK(type != "linear_attention", where, ": layer_types[", layer,
+                    "] is 'linear_attention', a Gated DeltaNet layer: "
+                    "load_attention reads full-attention layers only");
+        TORCH_CHECK(type == "full_attention" || type == "sliding_attention" ||
+                        type == "chunked_attention",
                     where, ": layer_types[", layer, "] '", type,
-                    "' is not supported (expected full_attention or "
-                    "sliding_attention)");
+                    "' is not supported (expected full_attention, "
+                    "sliding_attention or chunked_attention)");
         sliding = type == "sliding_attention";
       } else if (t == "mistral") {
         sliding = true;
       } else if (t == "qwen2") {
         sliding = opt_bool(config, "use_sliding_window", false, where) &&
                   layer >= opt_int(config, "max_window_layers", 0, where);
+      } else if (t == "gemma3_text") {
+        sliding =
+            (layer + 1) % opt_int(config, "sliding_window_pattern", 6, where) !=
+            0;
+      }
+      const int64_t max_pos =
+          opt_int(config, "max_position_embeddings", 0, where);
+      Rope rope = read_rope(config, layer, 10000.0, where);
+      if (t == "gemma3_text" && sliding &&
+          find_key(config, {"rope_parameters"}) == nullptr &&
+          find_key(config, {"rope_local_base_freq"}) != nullptr) {
+        // 4.x Gemma 3: sliding layers rotate at rope_local_base_freq,
+        // unscaled (rope_scaling is the global layers').
+        rope.theta = opt_double(config, "rope_local_base_freq", 10000.0, where);
+        rope.params = json::object();
+        rope.params_key = "rope_local_base_freq";
+        rope.rope_type = "default";
+      }
+      // Llama 4: NoPE layers (no_rope_layers[i] == 0) rotate nothing; its
+      // rotary pairs features (2i, 2i + 1), as a complex multiplication.
+      bool use_rope = true;
+      if (t == "llama4_text") {
+        // Llama4TextConfig: without no_rope_layers, every
+        // no_rope_layer_interval-th layer is NoPE.
+        const json* no_rope = find_key(config, {"no_rope_layers"});
+        if (no_rope == nullptr || (no_rope->is_array() && no_rope->empty())) {
+          use_rope = (layer + 1) %
+                         opt_int(config, "no_rope_layer_interval", 4, where) !=
+                     0;
+        } else {
+          TORCH_CHECK(no_rope->is_array() &&
+                          static_cast<int64_t>(no_rope->size()) > layer &&
+                          (*no_rope)[layer].is_number_integer(),
+                      where,
+                      ": no_rope_layers must list 0 or 1 per layer, got ",
+                      no_rope->dump());
+          use_rope = (*no_rope)[layer].get<int64_t>() != 0;
+        }
+      }
+      if (use_rope) {
+        set_rotary(o, config, rope, partial_dim(rope, D), partial_text(rope),
+                   t == "llama4_text" ? RotaryPairing::kInterleaved
+                                      : RotaryPairing::kHalf,
+                   max_pos, where);
       }
       const int64_t window = opt_int(config, "sliding_window", 0, where);
       if (sliding && window > 0) {
         o.window(window);
       }
       spec.causal = true;
+      family_options(config, layer, spec, o);  // config_families.cpp
       break;
     }
     case Family::kGptJ: {
@@ -640,7 +608,18 @@ MultiHeadAttentionOptions attention_options(const std::string& model_dir,
 bool causal_attention(const std::string& config_json,
                       const std::string& stack) {
   const auto config = detail::parse_config(config_json, "config.json");
-  return detail::layer_spec(config, 0, stack, "config.json").causal;
+  // The first attention layer's (Qwen3-Next's layer 0 is a Gated DeltaNet
+  // layer, which layer_spec refuses by name).
+  for (int64_t layer = 0;; ++layer) {
+    try {
+      return detail::layer_spec(config, layer, stack, "config.json").causal;
+    } catch (const c10::Error& e) {
+      if (std::string(e.what()).find("'linear_attention'") ==
+          std::string::npos) {
+        throw;
+      }
+    }
+  }
 }
 
 }  // namespace mha::hf

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -19,7 +20,7 @@ namespace mha::hf::detail {
 
 /// The families mha::hf reads, by config.json's model_type.
 enum class Family {
-  kLlama,  // llama, mistral, qwen2: q/k/v/o_proj
+  kLlama,  // llama, mistral, qwen2 and the 2025 families: q/k/v/o_proj
   kGptJ,
   kGptNeoX,
   kFalcon,
@@ -57,6 +58,36 @@ struct LayerSpec {
   /// The file name or label of the config, for messages.
   std::string where;
 };
+
+/// The value of the first of `keys` that config holds and is not null, or
+/// nullptr; `found` (if given) gets its key (config_values.cpp, as below).
+const nlohmann::json* find_key(const nlohmann::json& config,
+                               std::initializer_list<const char*> keys,
+                               std::string* found = nullptr);
+/// "a or b or c".
+std::string key_list(std::initializer_list<const char*> keys);
+/// A required integer > 0: the first of `keys` present; c10::Error naming
+/// `where` and the keys otherwise.
+int64_t get_int(const nlohmann::json& config,
+                std::initializer_list<const char*> keys,
+                const std::string& where);
+/// Optional values, `fallback` when absent or null; c10::Error naming
+/// `where`, the key and the value for another JSON type.
+int64_t opt_int(const nlohmann::json& config, const char* key, int64_t fallback,
+                const std::string& where);
+double opt_double(const nlohmann::json& config, const char* key,
+                  double fallback, const std::string& where);
+bool opt_bool(const nlohmann::json& config, const char* key, bool fallback,
+              const std::string& where);
+std::string opt_string(const nlohmann::json& config, const char* key,
+                       const std::string& fallback, const std::string& where);
+
+/// The options of the 2025 families on top of the Llama-like ones (qwen3,
+/// olmo2, gpt_oss, gemma3_text, qwen3_next, llama4_text; config_families.cpp):
+/// biases, q/k norms, sinks, output gate, scale, soft-capping, causality,
+/// chunked attention and temperature tuning of layer `layer`.
+void family_options(const nlohmann::json& config, int64_t layer,
+                    LayerSpec& spec, MultiHeadAttentionOptions& o);
 
 /// config.json's text parsed; `where` names it in messages.
 nlohmann::json parse_config(const std::string& text, const std::string& where);

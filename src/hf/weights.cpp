@@ -50,19 +50,23 @@ void split_fused(const torch::Tensor& t, int64_t groups, int64_t q_per,
 }
 
 /// Separate q/k/v/o linear layers named prefix + {q, k, v, o} + ".weight";
-/// Eq = H · D query rows (E unless head_dim says otherwise).
+/// Eq query rows (E unless head_dim or an output gate says otherwise), Eo
+/// columns of the output projection (H · D; default Eq).
 Projections separate(const LayerSpec& spec, const LayerTensors& t,
                      const std::vector<std::string>& names, int64_t E,
-                     int64_t Ekv, int64_t Eq = 0) {
+                     int64_t Ekv, int64_t Eq = 0, int64_t Eo = 0) {
   const std::string& P = spec.prefix;
   if (Eq == 0) {
     Eq = E;
+  }
+  if (Eo == 0) {
+    Eo = Eq;
   }
   Projections p;
   p.wq = t.get(P + names[0] + ".weight", {Eq, E});
   p.wk = t.get(P + names[1] + ".weight", {Ekv, E});
   p.wv = t.get(P + names[2] + ".weight", {Ekv, E});
-  p.wo = t.get(P + names[3] + ".weight", {E, Eq});
+  p.wo = t.get(P + names[3] + ".weight", {E, Eo});
   if (spec.qkv_bias) {
     p.bq = t.get(P + names[0] + ".bias", {Eq});
     p.bk = t.get(P + names[1] + ".bias", {Ekv});
@@ -84,8 +88,9 @@ Projections projections(const LayerSpec& spec, const LayerTensors& t) {
   const std::string& P = spec.prefix;
   switch (spec.family) {
     case Family::kLlama:
+      // Qwen3-Next's q_proj: [query_h | gate_h] per head.
       return separate(spec, t, {"q_proj", "k_proj", "v_proj", "o_proj"}, E, Ekv,
-                      H * D);
+                      H * D * (o.output_gate() ? 2 : 1), H * D);
     case Family::kGptJ:
       return separate(spec, t, {"q_proj", "k_proj", "v_proj", "out_proj"}, E,
                       Ekv);

@@ -61,13 +61,33 @@ void check_family_options(const MultiHeadAttentionImpl& m) {
               o.qk_norm_eps());
   const bool family = o.head_dim().has_value() ||
                       o.qk_norm() != QKNorm::kNone || o.attention_sinks() ||
-                      o.output_gate();
+                      o.output_gate() || o.attention_chunk_size().has_value() ||
+                      o.attn_temperature_tuning().has_value();
   TORCH_CHECK(!family || o.attention_kind() == AttentionKind::kSoftmax,
-              "MultiHeadAttention: head_dim, qk_norm, attention_sinks and "
-              "output_gate need attention_kind kSoftmax");
+              "MultiHeadAttention: head_dim, qk_norm, attention_sinks, "
+              "output_gate, attention_chunk_size and attn_temperature_tuning "
+              "need attention_kind kSoftmax");
   TORCH_CHECK(!o.attention_sinks() || (!o.add_bias_kv() && !o.add_zero_attn()),
               "MultiHeadAttention: attention_sinks cannot be combined with "
               "add_bias_kv or add_zero_attn");
+  if (o.attention_chunk_size().has_value()) {
+    TORCH_CHECK(*o.attention_chunk_size() >= 1,
+                "MultiHeadAttention: attention_chunk_size must be >= 1, but "
+                "got ",
+                *o.attention_chunk_size());
+    TORCH_CHECK(!o.add_bias_kv() && !o.add_zero_attn(),
+                "MultiHeadAttention: attention_chunk_size cannot be combined "
+                "with add_bias_kv or add_zero_attn (their extra key position "
+                "has no position)");
+  }
+  if (o.attn_temperature_tuning().has_value()) {
+    const auto& tuning = *o.attn_temperature_tuning();
+    TORCH_CHECK(tuning.floor_scale > 0 && std::isfinite(tuning.floor_scale) &&
+                    std::isfinite(tuning.attn_scale),
+                "MultiHeadAttention: attn_temperature_tuning needs a finite "
+                "floor_scale > 0 and a finite attn_scale, but got floor_scale=",
+                tuning.floor_scale, ", attn_scale=", tuning.attn_scale);
+  }
 }
 
 void register_family_parameters(MultiHeadAttentionImpl& m) {
@@ -131,6 +151,23 @@ void norm_after_rotary(const MultiHeadAttentionImpl& m, torch::Tensor& q,
   const double eps = m.options.qk_norm_eps();
   q = rms_normalized(q, {3}, eps).to(q.scalar_type());
   k = rms_normalized(k, {3}, eps).to(k.scalar_type());
+}
+
+void tune_temperature(const MultiHeadAttentionImpl& m, torch::Tensor& q,
+                      int64_t offset) {
+  if (!m.options.attn_temperature_tuning().has_value()) {
+    return;
+  }
+  const auto& tuning = *m.options.attn_temperature_tuning();
+  const auto dtype =
+      q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  const auto t = torch::arange(offset, offset + q.size(2),
+                               q.options().dtype(dtype));  // (L)
+  const auto scales =
+      torch::log1p(torch::floor((t + 1.0) / tuning.floor_scale)) *
+          tuning.attn_scale +
+      1.0;
+  q = (q * scales.view({1, 1, -1, 1})).to(q.scalar_type());
 }
 
 void apply_sinks(const MultiHeadAttentionImpl& m, torch::Tensor& output,

@@ -42,6 +42,11 @@ void norm_before_rotary(const MultiHeadAttentionImpl& m, torch::Tensor& q,
 void norm_after_rotary(const MultiHeadAttentionImpl& m, torch::Tensor& q,
                        torch::Tensor& k);
 
+/// attn_temperature_tuning on q (N, H, L, D) of the tokens at indices
+/// offset + 0..L-1 (Llama4TextAttention); unchanged without the option.
+void tune_temperature(const MultiHeadAttentionImpl& m, torch::Tensor& q,
+                      int64_t offset);
+
 /// attention_sinks: output (N, H, L, Dv) and per-head weights (N, H, L, S)
 /// (or undefined) of the core times sigmoid(lse - sinks_h), lse (N, H, L)
 /// the core's logsumexp of each row (GptOssAttention's softmax over the

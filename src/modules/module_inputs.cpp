@@ -441,7 +441,9 @@ void check_projectable(const MultiHeadAttentionImpl& m, const char* caller) {
                        : o.qk_norm() != QKNorm::kNone ? "qk_norm"
                        : o.attention_sinks()          ? "attention_sinks"
                        : o.output_gate()              ? "output_gate"
-                                                      : nullptr;
+                       : o.attention_chunk_size()     ? "attention_chunk_size"
+                       : o.attn_temperature_tuning() ? "attn_temperature_tuning"
+                                                     : nullptr;
   TORCH_CHECK(option == nullptr, "MultiHeadAttention::", caller,
               ": the option ", option,
               " is not supported (it gives keys positions or extra rows)");

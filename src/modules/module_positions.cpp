@@ -111,7 +111,9 @@ torch::Tensor position_rules_mask(const MultiHeadAttentionImpl& m,
                                   const torch::Tensor& k_positions, bool causal,
                                   torch::ScalarType dtype) {
   const auto kind = m.options.position_bias();
-  if (!m.options.window().has_value() && kind == PositionBias::kNone) {
+  const auto chunk = m.options.attention_chunk_size();
+  if (!m.options.window().has_value() && kind == PositionBias::kNone &&
+      !chunk.has_value()) {
     return torch::Tensor();
   }
   const auto options = q_positions.options().dtype(dtype);
@@ -127,6 +129,17 @@ torch::Tensor position_rules_mask(const MultiHeadAttentionImpl& m,
       blocked = blocked.logical_or(relative.ge(window));
     }
     mask.masked_fill_(blocked.unsqueeze(1),
+                      -std::numeric_limits<double>::infinity());
+  }
+  if (chunk.has_value()) {
+    // Llama 4: only keys of the query's chunk of positions.
+    auto chunk_of = [&](const torch::Tensor& p) {
+      return torch::div(p, *chunk, "floor");
+    };
+    auto other = chunk_of(k_positions)
+                     .unsqueeze(1)
+                     .ne(chunk_of(q_positions).unsqueeze(2));  // (N, L, S)
+    mask.masked_fill_(other.unsqueeze(1),
                       -std::numeric_limits<double>::infinity());
   }
   if (kind == PositionBias::kAlibi) {

@@ -33,12 +33,13 @@ torch::Tensor positions_2d(const torch::Tensor& positions, int64_t N, int64_t L,
                            bool batched, const torch::Device& device,
                            const char* who);
 
-/// The module's window and position bias at explicit positions, as an
-/// additive mask (N, H or 1, L, S) of `dtype`: key j of sequence n blocked
-/// where k_positions[n][j] - q_positions[n][i] <= -window (and >= window
-/// when not causal; causality itself follows the token order and is left to
-/// the core), ALiBi's -m_h |distance| or T5's bucket bias added. Undefined
-/// when the module has neither window nor position bias.
+/// The module's window, attention chunks and position bias at explicit
+/// positions, as an additive mask (N, H or 1, L, S) of `dtype`: key j of
+/// sequence n blocked where k_positions[n][j] - q_positions[n][i] <=
+/// -window (and >= window when not causal; causality itself follows the
+/// token order and is left to the core) or where the two positions lie in
+/// different chunks of attention_chunk_size, ALiBi's -m_h |distance| or
+/// T5's bucket bias added. Undefined when the module has none of them.
 torch::Tensor position_rules_mask(const MultiHeadAttentionImpl& m,
                                   const torch::Tensor& q_positions,
                                   const torch::Tensor& k_positions, bool causal,

@@ -270,6 +270,15 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   if (options.output_gate()) {
     stream << ", output_gate=true";
   }
+  if (options.attention_chunk_size().has_value()) {
+    stream << ", attention_chunk_size=" << *options.attention_chunk_size();
+  }
+  if (options.attn_temperature_tuning().has_value()) {
+    stream << ", attn_temperature_tuning(floor_scale="
+           << options.attn_temperature_tuning()->floor_scale
+           << ", attn_scale=" << options.attn_temperature_tuning()->attn_scale
+           << ")";
+  }
   if (options.position_bias() == PositionBias::kAlibi) {
     stream << ", position_bias=alibi";
   } else if (options.position_bias() == PositionBias::kRelative) {
@@ -397,6 +406,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   torch::Tensor rules_mask;
   if (at.defined()) {
     rules_mask = detail::position_rules_mask(*this, at, at, is_causal, dtype);
+  } else if (options.attention_chunk_size().has_value()) {
+    // The chunks at the token indices (with window and bias, as a mask).
+    const auto index =
+        torch::arange(L, in.query.options().dtype(torch::kLong)).expand({N, L});
+    rules_mask =
+        detail::position_rules_mask(*this, index, index, is_causal, dtype);
   }
   auto mask = merge_masks({attn, padding, causal, rules_mask}, dtype);
 
@@ -415,6 +430,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   detail::norm_before_rotary(*this, q, k);       // qk_norm
   detail::rotate_heads(*this, q, k, at, at, 0);  // row i at at[n][i], else at i
   detail::norm_after_rotary(*this, q, k);
+  detail::tune_temperature(*this, q, 0);
   if (options.add_zero_attn()) {
     k = torch::cat({k, torch::zeros({N, Hkv, 1, head_dim}, k.options())},
                    2);  // (N, Hkv, S'+1, D)
@@ -525,6 +541,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
   detail::norm_before_rotary(*this, q, k);       // qk_norm
   detail::rotate_heads(*this, q, k, at, at, P);  // row t at at[n][t] or P + t
   detail::norm_after_rotary(*this, q, k);
+  detail::tune_temperature(*this, q, P);
   auto [k_all, v_all] = cache.append(k, v, at);  // (N, Hkv, P + T, D)
   const bool needs_grad =
       torch::GradMode::is_enabled() && (k.requires_grad() || v.requires_grad());
@@ -537,7 +554,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward_cached(
   auto rules = detail::key_positions(*this, T, P + T, /*diagonal=*/P, is_causal,
                                      in.query.options());
   torch::Tensor rules_mask;
-  if (at.defined() || !cache.positions_are_indices()) {
+  if (at.defined() || !cache.positions_are_indices() ||
+      options.attention_chunk_size().has_value()) {
     // Window and position bias at the recorded positions, as a dense mask.
     const auto q_at =
         at.defined() ? at : cache.positions().narrow(1, P, T);  // (N, T)
