@@ -72,8 +72,8 @@ Parts run_reference(Run&& run, std::string& threw, CaseResult& result) {
 
 /// Compares mha's tensors with both references' and sets result's status.
 /// `half_parts`: the float64 reference's computation run in the case's half
-/// dtype (same parts), or empty: the half rule's base where torch::nn cannot
-/// be (it lacks the option, threw or is known to differ).
+/// dtype (same parts), or empty: the half rule's base, with torch::nn's
+/// where that is valid (the larger of the two errors).
 void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
            const Parts& nn_parts, const std::string& ref_diff,
            const std::string& nn_threw, CaseResult& result,

@@ -294,11 +294,11 @@ void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
            const Parts& half_parts) {
   const auto dtype = c.dtype;
   const auto tol = result.tolerance;
-  // Half types: the bound comes from a computation of the same thing in the
-  // same dtype, torch::nn's where it is valid, else the reference's.
+  // Half types: the bound comes from computations of the same thing in the
+  // same dtype: torch::nn's where it is valid, the reference's formula run
+  // in the dtype where given; the larger error of the two where both are.
   const bool nn_base = is_half(dtype) && !nn_parts.empty() && ref_diff.empty();
-  const Parts& base = nn_base ? nn_parts : half_parts;
-  const bool half_rule = is_half(dtype) && !base.empty();
+  const bool half_rule = is_half(dtype) && (nn_base || !half_parts.empty());
   for (size_t i = 0; i < mine_parts.size(); ++i) {
     const auto& [what, mine_t] = mine_parts[i];
     const auto& f64_t = f64_parts[i].second;
@@ -307,8 +307,15 @@ void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
       // flash-attention's rule: our error against float64 at most twice
       // that computation's, plus one rounding step of the dtype at this
       // scale.
-      part_tol = {2.0 * max_abs_diff(base[i].second, f64_t) +
-                      dtype_epsilon(dtype) * max_abs(f64_t),
+      double base_error = 0.0;
+      if (nn_base) {
+        base_error = max_abs_diff(nn_parts[i].second, f64_t);
+      }
+      if (!half_parts.empty()) {
+        base_error =
+            std::max(base_error, max_abs_diff(half_parts[i].second, f64_t));
+      }
+      part_tol = {2.0 * base_error + dtype_epsilon(dtype) * max_abs(f64_t),
                   0.0};
     }
     add(result.float64, compare(what, mine_t, f64_t, part_tol));
@@ -321,7 +328,11 @@ void judge(const Case& c, const Parts& mine_parts, const Parts& f64_parts,
     }
   }
   if (nn_base) {
-    result.note = "bound: 2x torch::nn's error vs float64 + dtype rounding";
+    result.note = half_parts.empty()
+                      ? "bound: 2x torch::nn's error vs float64 + dtype "
+                        "rounding"
+                      : "bound: 2x the larger error of torch::nn and the "
+                        "reference in this dtype vs float64 + dtype rounding";
   }
 
   if (!ref_diff.empty()) {
