@@ -386,6 +386,36 @@ def main_families():
                        max_position_embeddings=64)), 35)
     case("llama4_chunked", llama4, layer=0, mask=RIGHT_PADDED)
     case("llama4_nope", llama4, layer=3, mask=RIGHT_PADDED)
+    # DeepSeek-V3's Multi-head Latent Attention (load_latent_attention):
+    # q and kv latents, interleaved rotary on 4 of 12 query/key features,
+    # v_head_dim 6, yarn with mscale_all_dim (mscale² in the scale).
+    ds3 = build(tf.DeepseekV3ForCausalLM,
+                tf.DeepseekV3Config(**common(
+                    hidden_size=32, intermediate_size=16,
+                    moe_intermediate_size=16, num_attention_heads=4,
+                    num_key_value_heads=4, num_hidden_layers=1,
+                    q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=2,
+                    num_experts_per_tok=1, n_group=1, topk_group=1,
+                    first_k_dense_replace=1, max_position_embeddings=64,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                     "rope_theta": 10000.0,
+                                     "original_max_position_embeddings": 16,
+                                     "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "mscale": 1.0, "mscale_all_dim": 1.0})),
+                36)
+    case("deepseek_v3", ds3, mask=RIGHT_PADDED)
+    # DeepSeek-V2-Lite's form: no query latent (q_proj).
+    ds2 = build(tf.DeepseekV2ForCausalLM,
+                tf.DeepseekV2Config(**common(
+                    hidden_size=32, intermediate_size=16,
+                    moe_intermediate_size=16, num_attention_heads=4,
+                    num_key_value_heads=4, num_hidden_layers=1,
+                    q_lora_rank=None, kv_lora_rank=10, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=2,
+                    num_experts_per_tok=1, first_k_dense_replace=1,
+                    max_position_embeddings=64)), 37)
+    case("deepseek_v2", ds2, mask=RIGHT_PADDED)
 
 
 if __name__ == "__main__":

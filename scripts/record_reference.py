@@ -40,6 +40,8 @@ def attention_module_name(model, layer, stack="encoder"):
         "gemma3_text": f"layers.{layer}.self_attn",
         "qwen3_next": f"layers.{layer}.self_attn",
         "llama4_text": f"layers.{layer}.self_attn",
+        "deepseek_v3": f"layers.{layer}.self_attn",
+        "deepseek_v2": f"layers.{layer}.self_attn",
         "gptj": f"h.{layer}.attn",
         "gpt2": f"h.{layer}.attn",
         "gpt_neox": f"layers.{layer}.attention",

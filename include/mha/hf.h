@@ -16,6 +16,7 @@
 
 #include <string>
 
+#include "mha/latent_attention.h"
 #include "mha/multi_head_attention.h"
 #include "mha/transformer.h"
 
@@ -105,5 +106,19 @@ MultiHeadAttention attention_from_tensors(
 /// text. Throws c10::Error for an unsupported model_type.
 bool causal_attention(const std::string& config_json,
                       const std::string& stack = "encoder");
+
+/// The Multi-head Latent Attention of layer `layer` of a DeepSeek-V2 or -V3
+/// checkpoint (model_type deepseek_v2 or deepseek_v3; Kimi K2 writes
+/// deepseek_v3), with its weights (the checkpoint's dtype, eval mode):
+/// hidden_size, num_attention_heads, q_lora_rank (null: a plain q_proj),
+/// kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+/// attention_bias, rope_interleave (V3; V2 always interleaves) and the rope
+/// settings as load_attention reads them (V3's yarn: mscale² in the scale;
+/// V2: qk_head_dim^-1/2). config.json's head_dim is qk_rope_head_dim there
+/// and is not read. Tensors `model.layers.<layer>.self_attn.*` under
+/// transformers' names. Causal, as DeepseekV3Attention. Throws c10::Error
+/// as load_attention.
+MultiHeadLatentAttention load_latent_attention(const std::string& model_dir,
+                                               int64_t layer);
 
 }  // namespace mha::hf

@@ -8,6 +8,7 @@
 #include "mha/flex_attention.h"
 #include "mha/hf.h"
 #include "mha/kv_cache.h"
+#include "mha/latent_attention.h"
 #include "mha/linear_attention.h"
 #include "mha/masks.h"
 #include "mha/multi_head_attention.h"

@@ -605,6 +605,20 @@ MultiHeadAttentionOptions attention_options(const std::string& model_dir,
                                        layer, stack, where);
 }
 
+namespace detail {
+
+std::pair<double, RotaryScaling> rotary_of(const json& config,
+                                           int64_t rotary_dim,
+                                           const std::string& where) {
+  MultiHeadAttentionOptions o(rotary_dim, 1);
+  const Rope rope = read_rope(config, 0, 10000.0, where);
+  set_rotary(o, config, rope, c10::nullopt, "", RotaryPairing::kHalf,
+             opt_int(config, "max_position_embeddings", 0, where), where);
+  return {o.rotary_theta(), o.rotary_scaling()};
+}
+
+}  // namespace detail
+
 bool causal_attention(const std::string& config_json,
                       const std::string& stack) {
   const auto config = detail::parse_config(config_json, "config.json");

@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mha/multi_head_attention.h"
@@ -89,6 +90,13 @@ std::string opt_string(const nlohmann::json& config, const char* key,
 void family_options(const nlohmann::json& config, int64_t layer,
                     LayerSpec& spec, MultiHeadAttentionOptions& o);
 
+/// The rotary theta and scaling that `config` (layer 0's rope settings)
+/// gives heads of `rotary_dim` rotated features, as load_attention reads
+/// them (config.cpp).
+std::pair<double, RotaryScaling> rotary_of(const nlohmann::json& config,
+                                           int64_t rotary_dim,
+                                           const std::string& where);
+
 /// config.json's text parsed; `where` names it in messages.
 nlohmann::json parse_config(const std::string& text, const std::string& where);
 
@@ -122,6 +130,12 @@ struct LayerTensors {
 LayerTensors read_checkpoint(
     const std::string& model_dir,
     const std::function<bool(const std::string&)>& wanted);
+
+/// The tensors of `model_dir` whose names, without `base_prefix`, start
+/// with `prefix` (weights.cpp).
+LayerTensors read_prefixed(const std::string& model_dir,
+                           const std::string& base_prefix,
+                           const std::string& prefix);
 
 /// The attention module of `spec` with the tensors of `tensors`.
 MultiHeadAttention build_attention(const LayerSpec& spec,

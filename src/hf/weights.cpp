@@ -212,6 +212,21 @@ MultiHeadAttention build_attention(const LayerSpec& spec,
   return module;
 }
 
+LayerTensors read_prefixed(const std::string& model_dir,
+                           const std::string& base_prefix,
+                           const std::string& prefix) {
+  auto tensors = read_checkpoint(model_dir, [&](const std::string& name) {
+    std::string key = name;
+    if (!base_prefix.empty() &&
+        key.compare(0, base_prefix.size(), base_prefix) == 0) {
+      key = key.substr(base_prefix.size());
+    }
+    return key.compare(0, prefix.size(), prefix) == 0;
+  });
+  tensors.base_prefix = base_prefix;
+  return tensors;
+}
+
 }  // namespace mha::hf::detail
 
 namespace mha::hf {
