@@ -153,6 +153,42 @@ def cached_case(name, model, layer=0):
     print(f"{name}: {steps} steps")
 
 
+def linear_layer_case(name, model, layer):
+    """Qwen3-Next's Gated DeltaNet layer `layer` (linear_attn), for
+    load_gated_delta_net: its input and output on a right-padded batch, and
+    a decoding run (a prompt of 5 tokens, then 3 single tokens) through the
+    model's cache: step<k>.hidden_states / step<k>.output."""
+    path = os.path.join(ROOT, name)
+    shutil.rmtree(path, ignore_errors=True)
+    mod = dict(model.named_modules())[f"layers.{layer}.linear_attn"]
+    seen = {}
+
+    def hook(_m, args, kwargs, out):
+        seen["in"] = kwargs.get("hidden_states", args[0] if args else None)
+        seen["out"] = out[0] if isinstance(out, tuple) else out
+
+    h = mod.register_forward_hook(hook, with_kwargs=True)
+    torch.manual_seed(78)
+    ids = torch.randint(0, VOCAB, (N, L))
+    model(input_ids=ids, attention_mask=RIGHT_PADDED)
+    tensors = {"hidden_states": seen["in"], "output": seen["out"],
+               "attention_mask": RIGHT_PADDED}
+    cache = tf.DynamicCache(config=model.config)
+    ids = torch.randint(0, VOCAB, (N, 5))
+    for step in range(4):
+        if step > 0:
+            ids = torch.randint(0, VOCAB, (N, 1))
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        tensors[f"step{step}.hidden_states"] = seen["in"]
+        tensors[f"step{step}.output"] = seen["out"]
+    h.remove()
+    save_model(model, path)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(path, "reference.safetensors"),
+              metadata={"layer": str(layer)})
+    print(f"{name}: layer {layer} (linear attention), 4 decoding steps")
+
+
 def to_4x_rope(config):
     """A transformers 4.x config.json: rope_theta and rope_scaling at the top
     instead of 5.x's rope_parameters."""
@@ -372,6 +408,7 @@ def main_families():
                       shared_expert_intermediate_size=16,
                       max_position_embeddings=64)), 34)
     case("qwen3_next", qnext, layer=1, mask=RIGHT_PADDED)
+    linear_layer_case("qwen3_next_linear", qnext, layer=0)
     # Llama 4 (text): rope layers 0-2 chunked (3 positions), L2 norm,
     # interleaved rotary; layer 3 NoPE with temperature tuning (floor_scale
     # 2 so that 6 tokens see it).

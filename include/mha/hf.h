@@ -16,6 +16,7 @@
 
 #include <string>
 
+#include "mha/gated_delta_net.h"
 #include "mha/latent_attention.h"
 #include "mha/multi_head_attention.h"
 #include "mha/transformer.h"
@@ -120,5 +121,16 @@ bool causal_attention(const std::string& config_json,
 /// as load_attention.
 MultiHeadLatentAttention load_latent_attention(const std::string& model_dir,
                                                int64_t layer);
+
+/// The Gated DeltaNet of layer `layer` of a Qwen3-Next checkpoint (a
+/// linear_attention entry of layer_types; 4.x: all but every
+/// full_attention_interval-th layer), with its weights (the checkpoint's
+/// dtype, eval mode): hidden_size, linear_num_key_heads,
+/// linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
+/// linear_conv_kernel_dim, rms_norm_eps; tensors
+/// `model.layers.<layer>.linear_attn.*`. Throws c10::Error naming the key
+/// for a full-attention layer or another hidden_act than silu, and as
+/// load_attention.
+GatedDeltaNet load_gated_delta_net(const std::string& model_dir, int64_t layer);
 
 }  // namespace mha::hf

@@ -6,6 +6,7 @@
 
 #include "mha/attention.h"
 #include "mha/flex_attention.h"
+#include "mha/gated_delta_net.h"
 #include "mha/hf.h"
 #include "mha/kv_cache.h"
 #include "mha/latent_attention.h"
