@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "core/blas_threads.h"
+#include "modules/projection.h"
 
 namespace mha {
 
@@ -224,7 +225,7 @@ torch::Tensor run(const GatedDeltaNetImpl& m, const torch::Tensor& x,
   const int64_t G = Hv / Hk, dk = o.key_head_dim(), dv = o.value_head_dim();
   const int64_t K = o.conv_kernel_dim();
   // Rows grouped per key head: [q | k | v (G·dv) | z (G·dv)], [b | a].
-  const auto qkvz = torch::linear(x, m.in_proj_qkvz->weight)
+  const auto qkvz = detail::project(x, m.in_proj_qkvz->weight, {})
                         .view({N, T, Hk, 2 * dk + 2 * G * dv});
   const auto ba =
       torch::linear(x, m.in_proj_ba->weight).view({N, T, Hk, 2 * G});
@@ -272,8 +273,8 @@ torch::Tensor run(const GatedDeltaNetImpl& m, const torch::Tensor& x,
       o_t * torch::rsqrt(o_t.pow(2).mean(-1, true) + o.norm_eps());
   const auto gated =
       (m.norm->weight.to(dtype) * normed) * torch::silu(z.to(dtype));
-  return torch::linear(gated.reshape({N, T, Hv * dv}).to(x.scalar_type()),
-                       m.out_proj->weight);
+  return detail::project(gated.reshape({N, T, Hv * dv}).to(x.scalar_type()),
+                         m.out_proj->weight, {});
 }
 
 torch::Tensor batch_first(const GatedDeltaNetImpl& m, const torch::Tensor& x,
