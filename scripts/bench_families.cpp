@@ -7,16 +7,21 @@
 // 2. Gated DeltaNet (Qwen3-Next's sizes at E 1024: 8 key heads, 16 value
 //    heads of 128): forward time at L = 8k .. 64k (inference), and one
 //    decoding token after 1k and after 64k tokens.
+// 3. With --versus-transformers: the 2025 families' attention at (1, 2048,
+//    1024), forward and forward+backward, beside
+//    scripts/bench_transformers_families.py (run both in one environment).
 // Medians of the repetitions; 2 threads unless OMP_NUM_THREADS says.
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "mha/gated_delta_net.h"
 #include "mha/latent_attention.h"
+#include "mha/multi_head_attention.h"
 
 namespace {
 
@@ -36,10 +41,59 @@ double median_ms(int reps, F&& f) {
 
 }  // namespace
 
-int main() {
+/// Forward (no autograd) and forward+backward of f at x (1, 2048, 1024),
+/// the shapes of scripts/bench_transformers_families.py.
+template <typename F>
+void versus_transformers(const char* name, F&& f) {
+  auto x = torch::randn({1, 2048, 1024});
+  double fwd = 0;
+  {
+    torch::NoGradGuard no_grad;
+    fwd = median_ms(3, [&] { f(x); });
+  }
+  const double both = median_ms(3, [&] {
+    auto xg = x.clone().requires_grad_(true);
+    f(xg).sum().backward();
+  });
+  std::printf("%s: forward %.0f ms, forward+backward %.0f ms\n", name, fwd,
+              both);
+}
+
+int main(int argc, char** argv) {
   at::set_num_threads(std::max(2, at::get_num_threads()));
-  torch::NoGradGuard no_grad;
   torch::manual_seed(0);
+  if (argc > 1 && std::string(argv[1]) == "--versus-transformers") {
+    mha::MultiHeadAttention qwen3(mha::MultiHeadAttentionOptions(1024, 16)
+                                      .num_kv_heads(8)
+                                      .head_dim(128)
+                                      .bias(false)
+                                      .rotary(true)
+                                      .qk_norm(mha::QKNorm::kPerHead));
+    versus_transformers("mha Qwen3 attention", [&](const torch::Tensor& x) {
+      return std::get<0>(qwen3(x, {}, {}, {}, false, {}, true, true));
+    });
+    mha::MultiHeadAttention oss(mha::MultiHeadAttentionOptions(1024, 16)
+                                    .num_kv_heads(8)
+                                    .head_dim(64)
+                                    .rotary(true)
+                                    .attention_sinks(true));
+    versus_transformers("mha gpt-oss attention", [&](const torch::Tensor& x) {
+      return std::get<0>(oss(x, {}, {}, {}, false, {}, true, true));
+    });
+    mha::MultiHeadLatentAttention mla(
+        mha::MultiHeadLatentAttentionOptions(1024, 16).q_lora_rank(384));
+    versus_transformers("mha MLA (DeepSeek-V3 sizes)",
+                        [&](const torch::Tensor& x) { return mla(x); });
+    mha::GatedDeltaNet gdn(mha::GatedDeltaNetOptions(1024)
+                               .num_key_heads(8)
+                               .num_value_heads(16)
+                               .key_head_dim(128)
+                               .value_head_dim(128));
+    versus_transformers("mha GatedDeltaNet",
+                        [&](const torch::Tensor& x) { return gdn(x); });
+    return 0;
+  }
+  torch::NoGradGuard no_grad;
   {
     mha::MultiHeadLatentAttention m(
         mha::MultiHeadLatentAttentionOptions(1024, 16));
