@@ -8,7 +8,7 @@ build=${1:-$root/build}
 shift $(($# > 0 ? 1 : 0))
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-g++ -O2 -std=c++17 "$root/scripts/bench_families.cpp" -o "$out/bench_families" "$@" \
+g++ -O2 -std=c++17 "$root/scripts/bench_families.cpp" -o "$out/bench_families" \
   -I"$root/include" -I/usr/include/torch/csrc/api/include \
   "$build/libmha.a" -ltorch -ltorch_cpu -lc10 -fopenmp -ldl -lpthread
 OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$out/bench_families" "$@"
