@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
                                       .rotary(true)
                                       .qk_norm(mha::QKNorm::kPerHead));
     versus_transformers("mha Qwen3 attention", [&](const torch::Tensor& x) {
-      return std::get<0>(qwen3(x, {}, {}, {}, false, {}, true, true));
+      return std::get<0>(qwen3->forward(x, {}, {}, {}, false, {}, true, true));
     });
     mha::MultiHeadAttention oss(mha::MultiHeadAttentionOptions(1024, 16)
                                     .num_kv_heads(8)
@@ -78,19 +78,21 @@ int main(int argc, char** argv) {
                                     .rotary(true)
                                     .attention_sinks(true));
     versus_transformers("mha gpt-oss attention", [&](const torch::Tensor& x) {
-      return std::get<0>(oss(x, {}, {}, {}, false, {}, true, true));
+      return std::get<0>(oss->forward(x, {}, {}, {}, false, {}, true, true));
     });
     mha::MultiHeadLatentAttention mla(
         mha::MultiHeadLatentAttentionOptions(1024, 16).q_lora_rank(384));
-    versus_transformers("mha MLA (DeepSeek-V3 sizes)",
-                        [&](const torch::Tensor& x) { return mla(x); });
+    versus_transformers(
+        "mha MLA (DeepSeek-V3 sizes)",
+        [&](const torch::Tensor& x) { return mla->forward(x); });
     mha::GatedDeltaNet gdn(mha::GatedDeltaNetOptions(1024)
                                .num_key_heads(8)
                                .num_value_heads(16)
                                .key_head_dim(128)
                                .value_head_dim(128));
-    versus_transformers("mha GatedDeltaNet",
-                        [&](const torch::Tensor& x) { return gdn(x); });
+    versus_transformers("mha GatedDeltaNet", [&](const torch::Tensor& x) {
+      return gdn->forward(x);
+    });
     return 0;
   }
   torch::NoGradGuard no_grad;
