@@ -173,6 +173,20 @@ TEST(GatedDeltaNet, RecurrentAndChunkedDecodingEqualForward) {
   EXPECT_TRUE(torch::allclose(other->forward(x), whole, 1e-12, 1e-12));
 }
 
+TEST(GatedDeltaNet, SeqFirstEqualsBatchFirst) {
+  auto m = make(5);
+  GatedDeltaNet seq_first(small().batch_first(false));
+  seq_first->to(torch::kFloat64);
+  torch::NoGradGuard no_grad;
+  for (const auto& p : m->named_parameters()) {
+    seq_first->named_parameters()[p.key()].copy_(p.value());
+  }
+  auto x = torch::randn({2, 8, 12}, torch::kFloat64);  // 8: whole chunks
+  EXPECT_TRUE(
+      torch::allclose(seq_first->forward(x.transpose(0, 1)).transpose(0, 1),
+                      m->forward(x), 1e-12, 1e-12));
+}
+
 TEST(GatedDeltaNet, BadInputsNameTheArgument) {
   auto throws_with = [](auto&& f, const std::string& what) {
     try {

@@ -176,6 +176,20 @@ TEST(LatentAttention, AbsorbedEqualsNaiveAndDecodingEqualsForward) {
   EXPECT_TRUE(torch::allclose(a[1].narrow(0, 2, 6), alone[0], 1e-10, 1e-12));
 }
 
+TEST(LatentAttention, SeqFirstEqualsBatchFirst) {
+  auto m = make(small(12), 4);
+  auto seq_first = make(small(12).batch_first(false), 4);
+  torch::NoGradGuard no_grad;
+  auto x = torch::randn({2, 5, 16}, torch::kFloat64);
+  auto want = m->forward(x);
+  EXPECT_TRUE(
+      torch::allclose(seq_first->forward(x.transpose(0, 1)).transpose(0, 1),
+                      want, 1e-12, 1e-12));
+  auto cache = seq_first->make_cache(2, 5);
+  auto cached = seq_first->forward_cached(x.transpose(0, 1), cache);
+  EXPECT_TRUE(torch::allclose(cached.transpose(0, 1), want, 1e-10, 1e-12));
+}
+
 TEST(LatentAttention, AutoPathAndErrors) {
   // V3's ranks and head sizes (the choice does not depend on E or H).
   MultiHeadLatentAttention v3(MultiHeadLatentAttentionOptions(64, 16));

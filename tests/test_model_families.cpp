@@ -347,6 +347,29 @@ TEST(ModelFamilies, Float32AndBFloat16RunThrough) {
   }
 }
 
+TEST(ModelFamilies, SeqFirstEqualsBatchFirst) {
+  auto options = MultiHeadAttentionOptions(16, 4)
+                     .head_dim(6)
+                     .num_kv_heads(2)
+                     .rotary(true)
+                     .qk_norm(QKNorm::kPerHead)
+                     .attention_sinks(true)
+                     .output_gate(true);
+  MultiHeadAttention m(options);
+  spread(m, 12);
+  MultiHeadAttention seq_first(options.batch_first(false));
+  seq_first->to(torch::kFloat64);
+  torch::NoGradGuard no_grad;
+  for (const auto& p : m->named_parameters()) {
+    seq_first->named_parameters()[p.key()].copy_(p.value());
+  }
+  auto x = torch::randn({2, 5, 16}, torch::kFloat64);
+  auto want = std::get<0>(m->forward(x, {}, {}, {}, false, {}, true, true));
+  auto got = std::get<0>(
+      seq_first->forward(x.transpose(0, 1), {}, {}, {}, false, {}, true, true));
+  EXPECT_TRUE(torch::allclose(got.transpose(0, 1), want, 1e-12, 1e-12));
+}
+
 TEST(ModelFamilies, BadOptionsNameTheOption) {
   auto throws_with = [](const MultiHeadAttentionOptions& o,
                         const std::string& what) {

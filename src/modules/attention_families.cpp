@@ -127,7 +127,7 @@ torch::Tensor split_output_gate(const MultiHeadAttentionImpl& m,
   }
   const auto N = q_proj.size(0), L = q_proj.size(1);
   const int64_t H = m.options.num_heads(), D = m.head_dim;
-  const auto per_head = q_proj.view({N, L, H, 2 * D});
+  const auto per_head = q_proj.reshape({N, L, H, 2 * D});
   gate = per_head.narrow(3, D, D).reshape({N, L, H * D});
   return per_head.narrow(3, 0, D).reshape({N, L, H * D});
 }

@@ -226,9 +226,9 @@ torch::Tensor run(const GatedDeltaNetImpl& m, const torch::Tensor& x,
   const int64_t K = o.conv_kernel_dim();
   // Rows grouped per key head: [q | k | v (G·dv) | z (G·dv)], [b | a].
   const auto qkvz = detail::project(x, m.in_proj_qkvz->weight, {})
-                        .view({N, T, Hk, 2 * dk + 2 * G * dv});
+                        .reshape({N, T, Hk, 2 * dk + 2 * G * dv});
   const auto ba =
-      torch::linear(x, m.in_proj_ba->weight).view({N, T, Hk, 2 * G});
+      torch::linear(x, m.in_proj_ba->weight).reshape({N, T, Hk, 2 * G});
   const auto q = qkvz.narrow(3, 0, dk).reshape({N, T, Hk * dk});
   const auto k = qkvz.narrow(3, dk, dk).reshape({N, T, Hk * dk});
   const auto v = qkvz.narrow(3, 2 * dk, G * dv).reshape({N, T, Hv * dv});

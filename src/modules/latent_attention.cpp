@@ -247,7 +247,7 @@ LatentInputs project(const MultiHeadLatentAttentionImpl& m,
                     : apply(m.q_b_proj,
                             rms_norm(apply(m.q_a_proj, x),
                                      m.q_a_layernorm->weight, o.norm_eps()));
-  q = q.view({N, T, H, dn + dr}).transpose(1, 2);  // (N, H, T, dq)
+  q = q.reshape({N, T, H, dn + dr}).transpose(1, 2);  // (N, H, T, dq)
   auto rotate = [&](const torch::Tensor& t) {
     return rotary_embedding_at(t, at, o.rotary_theta(), o.rotary_pairing(),
                                c10::nullopt, o.rotary_scaling());
@@ -276,7 +276,7 @@ torch::Tensor attend(const MultiHeadLatentAttentionImpl& m,
   if (path == LatentPath::kNaive) {
     // Keys and values of every latent, as DeepseekV3Attention.
     const auto kv = apply(m.kv_b_proj, latent)
-                        .view({N, S, H, dn + dv})
+                        .reshape({N, S, H, dn + dv})
                         .transpose(1, 2);  // (N, H, S, dn + dv)
     const auto k = torch::cat(
         {kv.narrow(3, 0, dn), rotary_key.unsqueeze(1).expand({N, H, S, dr})},
@@ -331,7 +331,7 @@ torch::Tensor padding_mask(const torch::Tensor& kpm, int64_t N, int64_t S,
               "), true = padding, but got ", kpm.scalar_type(), " ",
               kpm.sizes());
   return torch::zeros({N, 1, 1, S}, options)
-      .masked_fill(kpm.view({N, 1, 1, S}),
+      .masked_fill(kpm.reshape({N, 1, 1, S}),
                    -std::numeric_limits<double>::infinity());
 }
 
