@@ -11,9 +11,8 @@ expect_exit(2 --device tpu)
 expect_exit(2 --filter "no-case-matches-this")
 # float16 on the CPU needs LibTorch 2.x (1.13 has no CPU float16 matmul);
 # bfloat16 runs on the CPU: on 1.13 every row within its bound (judge's
-# half rule). On 2.14 two full-Transformer rows exceed it (their calls take
-# LibTorch's fused kernel in the half dtype; docs/speed.md): there the run
-# must complete (exit 0 or 1), not pass.
+# half rule). On 2.14 two full-Transformer rows exceed it (not investigated
+# yet; docs/speed.md): there the run must complete (exit 0 or 1), not pass.
 execute_process(COMMAND ${TOOL} --version OUTPUT_VARIABLE version)
 if(version MATCHES "LibTorch 1\\.")
   expect_exit(2 --dtype float16)
