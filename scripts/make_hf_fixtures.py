@@ -189,6 +189,38 @@ def linear_layer_case(name, model, layer):
     print(f"{name}: layer {layer} (linear attention), 4 decoding steps")
 
 
+def gradient_case(name, model, layer, module_name):
+    """gradients.safetensors beside case `name`'s checkpoint: the module's
+    output on a causal, unpadded batch (hidden_states, R, output) and the
+    gradients of sum(output · R) with respect to hidden_states
+    ("grad.hidden_states") and every parameter of the module ("grad.<its
+    name>"), float32."""
+    path = os.path.join(ROOT, name)
+    mod = dict(model.named_modules())[module_name]
+    torch.manual_seed(79)
+    with torch.enable_grad():
+        x = torch.randn(N, L, model.config.hidden_size, requires_grad=True)
+        R = torch.randn(N, L, model.config.hidden_size)
+        if module_name.endswith("linear_attn"):
+            out = mod(x)
+        else:
+            pos = torch.arange(L).unsqueeze(0).expand(N, L)
+            pe = model.rotary_emb(x, pos)
+            mask = torch.full((L, L), float("-inf")).triu(1).view(1, 1, L, L)
+            out = mod(hidden_states=x, position_embeddings=pe,
+                      attention_mask=mask)[0]
+        mod.zero_grad()
+        (out * R).sum().backward()
+    tensors = {"hidden_states": x.detach(), "R": R, "output": out.detach(),
+               "grad.hidden_states": x.grad}
+    for pname, p in mod.named_parameters():
+        tensors["grad." + pname] = p.grad
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(path, "gradients.safetensors"),
+              metadata={"layer": str(layer)})
+    print(f"{name}: gradients of {len(tensors) - 4} parameters")
+
+
 def to_4x_rope(config):
     """A transformers 4.x config.json: rope_theta and rope_scaling at the top
     instead of 5.x's rope_parameters."""
@@ -355,6 +387,7 @@ def main_families():
     case("qwen3", qwen3, layer=0, mask=RIGHT_PADDED)
     case("qwen3_window", qwen3, layer=1)
     cached_case("qwen3_cache", qwen3)
+    gradient_case("qwen3", qwen3, 0, "layers.0.self_attn")
     # OLMo 2: RMSNorm over the whole q and k projections.
     olmo2 = build(tf.Olmo2Model, llama_like(tf.Olmo2Config), 31)
     case("olmo2", olmo2, mask=RIGHT_PADDED)
@@ -409,6 +442,7 @@ def main_families():
                       max_position_embeddings=64)), 34)
     case("qwen3_next", qnext, layer=1, mask=RIGHT_PADDED)
     linear_layer_case("qwen3_next_linear", qnext, layer=0)
+    gradient_case("qwen3_next_linear", qnext, 0, "layers.0.linear_attn")
     # Llama 4 (text): rope layers 0-2 chunked (3 positions), L2 norm,
     # interleaved rotary; layer 3 NoPE with temperature tuning (floor_scale
     # 2 so that 6 tokens see it).
@@ -442,6 +476,7 @@ def main_families():
                                      "mscale": 1.0, "mscale_all_dim": 1.0})),
                 36)
     case("deepseek_v3", ds3, mask=RIGHT_PADDED)
+    gradient_case("deepseek_v3", ds3.model, 0, "layers.0.self_attn")
     # DeepSeek-V2-Lite's form: no query latent (q_proj).
     ds2 = build(tf.DeepseekV2ForCausalLM,
                 tf.DeepseekV2Config(**common(

@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "family_gradients.h"
 #include "fixture_helpers.h"
 #include "mha/gated_delta_net.h"
 #include "mha/hf.h"
@@ -249,6 +250,16 @@ TEST(GatedDeltaNet, LoadedCheckpointMatchesTransformers) {
     close(m->forward_cached(ref_tensors[step + ".hidden_states"], state),
           ref_tensors[step + ".output"], step);
   }
+}
+
+// transformers 5.x's Qwen3NextGatedDeltaNet: the gradients of its input and
+// of every parameter (same names).
+TEST(GatedDeltaNet, GradientsMatchTransformers) {
+  const auto dir = fixtures::path("hf/qwen3_next_linear");
+  auto m = mha::hf::load_gated_delta_net(dir, 0);
+  family_tests::expect_gradients_match(
+      dir, m, [&](const torch::Tensor& x) { return m->forward(x); },
+      [](const std::string& ours) { return ours; });
 }
 
 }  // namespace gated_delta_net_tests

@@ -9,10 +9,12 @@
 
 #include <cmath>
 
+#include "family_gradients.h"
 #include "fixture_helpers.h"
 #include "mha/hf.h"
 #include "mha/latent_attention.h"
 #include "mha/parity.h"
+#include "mha/state_dict.h"
 
 namespace latent_attention_tests {
 
@@ -266,6 +268,16 @@ TEST(LatentAttention, LoadedCheckpointsMatchTransformers) {
   // yarn's mscale² (mscale_all_dim 1, factor 4) in the scale.
   const double m = 0.1 * std::log(4.0) + 1.0;
   EXPECT_NEAR(v3->softmax_scale(), m * m / std::sqrt(12.0), 1e-12);
+}
+
+// transformers 5.x's DeepseekV3Attention: the gradients of its input and of
+// every parameter (same names).
+TEST(LatentAttention, GradientsMatchTransformers) {
+  const auto dir = fixtures::path("hf/deepseek_v3");
+  auto m = mha::hf::load_latent_attention(dir, 0);
+  family_tests::expect_gradients_match(
+      dir, m, [&](const torch::Tensor& x) { return m->forward(x); },
+      [](const std::string& ours) { return ours; });
 }
 
 }  // namespace latent_attention_tests

@@ -9,12 +9,14 @@
 
 #include <cmath>
 
+#include "family_gradients.h"
 #include "fixture_helpers.h"
 #include "mha/flex_attention.h"
 #include "mha/hf.h"
 #include "mha/multi_head_attention.h"
 #include "mha/parity.h"
 #include "mha/positions.h"
+#include "mha/state_dict.h"
 
 namespace model_families_tests {
 
@@ -459,6 +461,25 @@ TEST(FlexLogsumexp, GradientEqualsAutogradOfLogsumexp) {
         << "input " << i << ": "
         << (got[i] - want[i]).abs().max().item<double>();
   }
+}
+
+// transformers 5.x's Qwen3Attention: the gradients of its input and of
+// every parameter (q/k/v/o projections and both norms).
+TEST(FamilyFixtures, Qwen3GradientsMatchTransformers) {
+  const auto dir = fixtures::path("hf/qwen3");
+  auto m = mha::hf::load_attention(dir, 0);
+  family_tests::expect_gradients_match(
+      dir, m,
+      [&](const torch::Tensor& x) {
+        return std::get<0>(m->forward(x, {}, {}, {}, false, {}, true, true));
+      },
+      [](const std::string& ours) -> std::string {
+        if (ours == "q_proj_weight") return "q_proj.weight";
+        if (ours == "k_proj_weight") return "k_proj.weight";
+        if (ours == "v_proj_weight") return "v_proj.weight";
+        if (ours == "out_proj.weight") return "o_proj.weight";
+        return ours;  // q_norm.weight, k_norm.weight
+      });
 }
 
 // transformers 5.x's own modules (tests/fixtures/hf, written by

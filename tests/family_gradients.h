@@ -1,0 +1,49 @@
+// The gradient check of the 2025 families' modules against transformers'
+// (tests/fixtures/hf/<case>/gradients.safetensors, written by
+// scripts/make_hf_fixtures.py families), shared by their test files.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <iostream>
+#include <string>
+
+#include "mha/state_dict.h"
+
+namespace family_tests {
+
+/// sum(output · R)'s gradients of the family module loaded from `dir`
+/// against transformers' (gradients.safetensors, make_hf_fixtures.py):
+/// the input's and each parameter's, the transformers name of ours given by
+/// `hf_name`, float32 1e-5 + 1e-4 |ref| of the largest gradient.
+template <typename Module, typename Forward, typename HfName>
+inline void expect_gradients_match(const std::string& dir, Module& m,
+                                   Forward&& forward, HfName&& hf_name) {
+  auto ref = mha::read_state_dict(dir + "/gradients.safetensors");
+  auto x = ref["hidden_states"].clone().requires_grad_(true);
+  auto out = forward(x);
+  EXPECT_TRUE(torch::allclose(out, ref["output"], 1e-4, 1e-5));
+  (out * ref["R"]).sum().backward();
+  auto close = [](const torch::Tensor& got, const torch::Tensor& want,
+                  const std::string& what) {
+    ASSERT_TRUE(got.defined()) << what << ": no gradient";
+    const double scale = want.abs().max().item<double>();
+    const double err = (got - want).abs().max().item<double>();
+    EXPECT_LE(err, 1e-5 + 1e-4 * scale) << what << " (largest " << scale << ")";
+    std::cout << "[ grads    ] " << what << ": max abs " << err << " of "
+              << scale << "\n";
+  };
+  close(x.grad(), ref["grad.hidden_states"], "hidden_states");
+  int64_t compared = 0;
+  for (const auto& p : m->named_parameters()) {
+    const std::string name = "grad." + hf_name(p.key());
+    ASSERT_TRUE(ref.contains(name)) << name;
+    close(p.value().grad(), ref[name], p.key());
+    ++compared;
+  }
+  EXPECT_EQ(compared + 4, static_cast<int64_t>(ref.size()));
+}
+
+}  // namespace family_tests
