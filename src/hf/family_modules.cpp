@@ -13,6 +13,29 @@
 
 namespace mha::hf {
 
+namespace {
+
+/// Copies into every parameter of `module` the checkpoint's tensor of the
+/// same name under `model.<prefix>` (transformers' names are the module's),
+/// in the checkpoint's dtype; eval mode.
+void load_named(torch::nn::Module& module, const std::string& model_dir,
+                const std::string& prefix) {
+  const auto tensors = detail::read_prefixed(model_dir, "model.", prefix);
+  torch::NoGradGuard no_grad;
+  bool first = true;
+  for (auto& p : module.named_parameters()) {
+    const auto w = tensors.get(prefix + p.key(), p.value().sizes());
+    if (first) {
+      module.to(w.scalar_type());
+      first = false;
+    }
+    p.value().copy_(w);
+  }
+  module.eval();
+}
+
+}  // namespace
+
 MultiHeadLatentAttention load_latent_attention(const std::string& model_dir,
                                                int64_t layer) {
   using detail::get_int;
@@ -56,19 +79,8 @@ MultiHeadLatentAttention load_latent_attention(const std::string& model_dir,
                                                 o.qk_rope_head_dim())));
   }
   MultiHeadLatentAttention module(o);
-  const std::string prefix = "layers." + std::to_string(layer) + ".self_attn.";
-  const auto tensors = detail::read_prefixed(model_dir, "model.", prefix);
-  torch::NoGradGuard no_grad;
-  bool first = true;
-  for (auto& p : module->named_parameters()) {
-    const auto w = tensors.get(prefix + p.key(), p.value().sizes());
-    if (first) {
-      module->to(w.scalar_type());
-      first = false;
-    }
-    p.value().copy_(w);
-  }
-  module->eval();
+  load_named(*module, model_dir,
+             "layers." + std::to_string(layer) + ".self_attn.");
   return module;
 }
 
@@ -119,20 +131,8 @@ GatedDeltaNet load_gated_delta_net(const std::string& model_dir,
       .conv_kernel_dim(opt_int(config, "linear_conv_kernel_dim", 4, where))
       .norm_eps(opt_double(config, "rms_norm_eps", 1e-6, where));
   GatedDeltaNet module(o);
-  const std::string prefix =
-      "layers." + std::to_string(layer) + ".linear_attn.";
-  const auto tensors = detail::read_prefixed(model_dir, "model.", prefix);
-  torch::NoGradGuard no_grad;
-  bool first = true;
-  for (auto& p : module->named_parameters()) {
-    const auto w = tensors.get(prefix + p.key(), p.value().sizes());
-    if (first) {
-      module->to(w.scalar_type());
-      first = false;
-    }
-    p.value().copy_(w);
-  }
-  module->eval();
+  load_named(*module, model_dir,
+             "layers." + std::to_string(layer) + ".linear_attn.");
   return module;
 }
 
