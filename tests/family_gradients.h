@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "mha/state_dict.h"
 
@@ -44,6 +45,40 @@ inline void expect_gradients_match(const std::string& dir, Module& m,
     ++compared;
   }
   EXPECT_EQ(compared + 4, static_cast<int64_t>(ref.size()));
+}
+
+/// Backward from sum(output · R) through `ours()` and then `reference()`
+/// (each computes module m's output from the leaf x): their outputs equal
+/// within out_rtol / out_atol, and the gradients of x and of every
+/// parameter of m within 1e-10 / 1e-12 (float64 proofs). `what` prefixes
+/// the messages.
+template <typename Module, typename Ours, typename Reference>
+void expect_same_gradients(Module& m, const torch::Tensor& x,
+                           const torch::Tensor& R, Ours&& ours,
+                           Reference&& reference, double out_rtol,
+                           double out_atol, const std::string& what) {
+  const torch::Tensor out = ours();
+  (out * R).sum().backward();
+  std::vector<torch::Tensor> grads{x.grad().clone()};
+  for (auto& p : m->parameters()) {
+    grads.push_back(p.grad().clone());
+    p.mutable_grad() = torch::Tensor();
+  }
+  x.mutable_grad() = torch::Tensor();
+  const torch::Tensor ref = reference();
+  (ref * R).sum().backward();
+  EXPECT_TRUE(torch::allclose(out, ref, out_rtol, out_atol))
+      << what << "output: " << (out - ref).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(grads[0], x.grad(), 1e-10, 1e-12))
+      << what << "grad x: " << (grads[0] - x.grad()).abs().max().item<double>();
+  size_t i = 1;
+  for (const auto& p : m->named_parameters()) {
+    const torch::Tensor want = p.value().grad();
+    EXPECT_TRUE(torch::allclose(grads[i], want, 1e-10, 1e-12))
+        << what << "grad " << p.key() << ": "
+        << (grads[i] - want).abs().max().item<double>();
+    ++i;
+  }
 }
 
 }  // namespace family_tests

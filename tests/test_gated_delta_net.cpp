@@ -111,26 +111,9 @@ TEST(GatedDeltaNet, ChunkedEqualsTheLoopWithGradients) {
   auto kpm = torch::zeros({2, 10}, torch::kBool);
   kpm[1].narrow(0, 7, 3).fill_(true);
   auto R = torch::randn({2, 10, 12}, torch::kFloat64);
-  auto out = m->forward(x, kpm);  // chunks of 4: 10 = 4 + 4 + 2
-  (out * R).sum().backward();
-  std::vector<torch::Tensor> grads{x.grad().clone()};
-  for (auto& p : m->parameters()) {
-    grads.push_back(p.grad().clone());
-    p.mutable_grad() = torch::Tensor();
-  }
-  x.mutable_grad() = torch::Tensor();
-  auto ref = reference(*m, x, kpm);
-  (ref * R).sum().backward();
-  EXPECT_TRUE(torch::allclose(out, ref, 1e-12, 1e-12))
-      << (out - ref).abs().max().item<double>();
-  EXPECT_TRUE(torch::allclose(grads[0], x.grad(), 1e-10, 1e-12));
-  size_t i = 1;
-  for (const auto& p : m->named_parameters()) {
-    EXPECT_TRUE(torch::allclose(grads[i], p.value().grad(), 1e-10, 1e-12))
-        << "grad " << p.key() << ": "
-        << (grads[i] - p.value().grad()).abs().max().item<double>();
-    ++i;
-  }
+  family_tests::expect_same_gradients(
+      m, x, R, [&] { return m->forward(x, kpm); },  // chunks 4 + 4 + 2
+      [&] { return reference(*m, x, kpm); }, 1e-12, 1e-12, "");
   // A central difference on one A_log entry and one dt_bias entry.
   torch::NoGradGuard no_grad;
   for (auto* p : {&m->A_log, &m->dt_bias}) {

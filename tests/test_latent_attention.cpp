@@ -102,25 +102,10 @@ TEST(LatentAttention, ForwardAndGradientsEqualReference) {
     auto kpm = torch::zeros({2, 7}, torch::kBool);
     kpm[1].narrow(0, 5, 2).fill_(true);  // right padding, no empty row
     auto R = torch::randn({2, 7, 16}, torch::kFloat64);
-    auto out = m->forward(x, kpm);
-    (out * R).sum().backward();
-    std::vector<torch::Tensor> grads{x.grad().clone()};
-    for (auto& p : m->parameters()) {
-      grads.push_back(p.grad().clone());
-      p.mutable_grad() = torch::Tensor();
-    }
-    x.mutable_grad() = torch::Tensor();
-    auto ref = reference(*m, x, kpm);
-    (ref * R).sum().backward();
-    EXPECT_TRUE(torch::allclose(out, ref, 1e-10, 1e-12))
-        << (out - ref).abs().max().item<double>();
-    EXPECT_TRUE(torch::allclose(grads[0], x.grad(), 1e-10, 1e-12));
-    size_t i = 1;
-    for (const auto& p : m->named_parameters()) {
-      EXPECT_TRUE(torch::allclose(grads[i], p.value().grad(), 1e-10, 1e-12))
-          << "q_lora_rank " << q_lora << " grad " << p.key();
-      ++i;
-    }
+    family_tests::expect_same_gradients(
+        m, x, R, [&] { return m->forward(x, kpm); },
+        [&] { return reference(*m, x, kpm); }, 1e-10, 1e-12,
+        "q_lora_rank " + std::to_string(q_lora) + ": ");
   }
 }
 

@@ -156,28 +156,23 @@ void expect_matches_reference(const MultiHeadAttentionOptions& options,
     kpm[1].narrow(0, L - 2, 2).fill_(true);
   }
   auto R = torch::randn({N, L, E}, f64);
-  auto [out, w] = m->forward(x, {}, {}, kpm, /*need_weights=*/true, {},
-                             /*average_attn_weights=*/false, causal);
-  (out * R).sum().backward();
-  std::vector<torch::Tensor> grads{x.grad().clone()};
-  for (auto& p : m->parameters()) {
-    grads.push_back(p.grad().clone());
-    p.mutable_grad() = torch::Tensor();
-  }
-  x.mutable_grad() = torch::Tensor();
-  auto [ref_out, ref_w] = reference(*m, x, kpm, causal);
-  (ref_out * R).sum().backward();
-  EXPECT_TRUE(torch::allclose(out, ref_out, 1e-10, 1e-12));
+  torch::Tensor w, ref_w;
+  family_tests::expect_same_gradients(
+      m, x, R,
+      [&] {
+        auto [out, weights] =
+            m->forward(x, {}, {}, kpm, /*need_weights=*/true, {},
+                       /*average_attn_weights=*/false, causal);
+        w = weights;
+        return out;
+      },
+      [&] {
+        auto [out, weights] = reference(*m, x, kpm, causal);
+        ref_w = weights;
+        return out;
+      },
+      1e-10, 1e-12, "");
   EXPECT_TRUE(torch::allclose(w, ref_w, 1e-10, 1e-12));
-  EXPECT_TRUE(torch::allclose(grads[0], x.grad(), 1e-10, 1e-12))
-      << "grad x: " << (grads[0] - x.grad()).abs().max().item<double>();
-  size_t i = 1;
-  for (const auto& p : m->named_parameters()) {
-    EXPECT_TRUE(torch::allclose(grads[i], p.value().grad(), 1e-10, 1e-12))
-        << "grad " << p.key() << ": "
-        << (grads[i] - p.value().grad()).abs().max().item<double>();
-    ++i;
-  }
   // Averaged weights: the per-head ones' mean.
   auto [out2, w_avg] = m->forward(x, {}, {}, kpm, true, {}, true, causal);
   EXPECT_TRUE(torch::allclose(w_avg, ref_w.mean(1), 1e-10, 1e-12));

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "core/blas_threads.h"
+#include "modules/module_inputs.h"
 #include "modules/projection.h"
 
 namespace mha {
@@ -277,28 +278,14 @@ torch::Tensor run(const GatedDeltaNetImpl& m, const torch::Tensor& x,
                          m.out_proj->weight, {});
 }
 
-torch::Tensor batch_first(const GatedDeltaNetImpl& m, const torch::Tensor& x,
-                          const char* who) {
-  const auto& w = m.out_proj->weight;
-  TORCH_CHECK(x.defined() && x.dim() == 3 && x.size(2) == m.options.embed_dim(),
-              who, ": x must be ",
-              m.options.batch_first() ? "(N, L, E)" : "(L, N, E)",
-              " with E = ", m.options.embed_dim(), ", but got ",
-              x.defined() ? x.sizes() : c10::IntArrayRef{});
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.device() == w.device(),
-              who, ": x must have the parameters' dtype ", w.scalar_type(),
-              " and device ", w.device(), ", but has ", x.scalar_type(), " on ",
-              x.device());
-  return m.options.batch_first() ? x : x.transpose(0, 1);
-}
-
 }  // namespace
 
 torch::Tensor GatedDeltaNetImpl::forward(
     const torch::Tensor& x_in, const torch::Tensor& key_padding_mask) {
   const char* who = "GatedDeltaNet::forward";
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
-  auto x = batch_first(*this, x_in, who);
+  auto x = detail::sequence_input(x_in, options.embed_dim(),
+                                  options.batch_first(), out_proj->weight, who);
   const int64_t N = x.size(0), L = x.size(1);
   if (key_padding_mask.defined()) {
     TORCH_CHECK(key_padding_mask.scalar_type() == torch::kBool &&
@@ -320,7 +307,8 @@ torch::Tensor GatedDeltaNetImpl::forward_cached(const torch::Tensor& x_in,
                                                 GatedDeltaNetState& state) {
   const char* who = "GatedDeltaNet::forward_cached";
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
-  const auto x = batch_first(*this, x_in, who);
+  const auto x = detail::sequence_input(
+      x_in, options.embed_dim(), options.batch_first(), out_proj->weight, who);
   const int64_t N = x.size(0);
   const auto fresh = make_state(N);
   TORCH_CHECK(state.conv.defined() && state.recurrent.defined() &&

@@ -12,6 +12,7 @@
 
 #include "core/attention_core.h"
 #include "core/blas_threads.h"
+#include "modules/module_inputs.h"
 #include "modules/projection.h"
 
 namespace mha {
@@ -301,22 +302,6 @@ torch::Tensor attend(const MultiHeadLatentAttentionImpl& m,
                        w.narrow(1, dn, dv).transpose(1, 2));  // (N, H, T, dv)
 }
 
-/// x in (N, T, E) and checked; `who` starts the messages.
-torch::Tensor batch_first(const MultiHeadLatentAttentionImpl& m,
-                          const torch::Tensor& x, const char* who) {
-  const auto& w = m.kv_b_proj->weight;
-  TORCH_CHECK(x.defined() && x.dim() == 3 && x.size(2) == m.options.embed_dim(),
-              who, ": x must be ",
-              m.options.batch_first() ? "(N, T, E)" : "(T, N, E)",
-              " with E = ", m.options.embed_dim(), ", but got ",
-              x.defined() ? x.sizes() : c10::IntArrayRef{});
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.device() == w.device(),
-              who, ": x must have the parameters' dtype ", w.scalar_type(),
-              " and device ", w.device(), ", but has ", x.scalar_type(), " on ",
-              x.device());
-  return m.options.batch_first() ? x : x.transpose(0, 1);
-}
-
 /// The additive (N, 1, 1, S) mask of a bool key_padding_mask (N, S), or
 /// undefined.
 torch::Tensor padding_mask(const torch::Tensor& kpm, int64_t N, int64_t S,
@@ -350,7 +335,8 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward(
     bool is_causal, const torch::Tensor& positions) {
   const char* who = "MultiHeadLatentAttention::forward";
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
-  const auto x = batch_first(*this, x_in, who);
+  const auto x = detail::sequence_input(
+      x_in, options.embed_dim(), options.batch_first(), kv_b_proj->weight, who);
   const int64_t N = x.size(0), L = x.size(1);
   const auto at = positions_of(positions, N, L, 0, x.device(), who);
   const auto in = project(*this, x, at);
@@ -366,7 +352,8 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_cached(
     LatentPath path) {
   const char* who = "MultiHeadLatentAttention::forward_cached";
   const detail::BlasCallGuard blas_guard;  // blas_threads.h
-  const auto x = batch_first(*this, x_in, who);
+  const auto x = detail::sequence_input(
+      x_in, options.embed_dim(), options.batch_first(), kv_b_proj->weight, who);
   const int64_t N = x.size(0), T = x.size(1), P = cache.size();
   TORCH_CHECK(cache.batch_size() == N &&
                   cache.numbers_per_token() ==

@@ -449,6 +449,21 @@ void check_projectable(const MultiHeadAttentionImpl& m, const char* caller) {
               " is not supported (it gives keys positions or extra rows)");
 }
 
+torch::Tensor sequence_input(const torch::Tensor& x, int64_t embed_dim,
+                             bool batch_first, const torch::Tensor& weight,
+                             const char* who) {
+  TORCH_CHECK(x.defined() && x.dim() == 3 && x.size(2) == embed_dim, who,
+              ": x must be ", batch_first ? "(N, L, E)" : "(L, N, E)",
+              " with E = ", embed_dim, ", but got ",
+              x.defined() ? x.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(
+      x.scalar_type() == weight.scalar_type() && x.device() == weight.device(),
+      who, ": x must have the parameters' dtype ", weight.scalar_type(),
+      " and device ", weight.device(), ", but has ", x.scalar_type(), " on ",
+      x.device());
+  return batch_first ? x : x.transpose(0, 1);
+}
+
 /// x (N, T, F) in the module's layout ((T, N, F) if !batch_first, (T, F)
 /// unbatched) as (N, T, F), after the checks of forward for `name`.
 torch::Tensor batch_first_input(const MultiHeadAttentionImpl& m,

@@ -71,6 +71,14 @@ Projected project_inputs(const MultiHeadAttentionImpl& m,
 /// and `caller` otherwise.
 void check_projectable(const MultiHeadAttentionImpl& m, const char* caller);
 
+/// x (N, L, E), or (L, N, E) when !batch_first, with `weight`'s dtype and
+/// device, as (N, L, E): the input of the sequence modules
+/// (MultiHeadLatentAttention, GatedDeltaNet). c10::Error starting with `who`
+/// otherwise.
+torch::Tensor sequence_input(const torch::Tensor& x, int64_t embed_dim,
+                             bool batch_first, const torch::Tensor& weight,
+                             const char* who);
+
 /// x (N, T, F) in the module's layout ((T, N, F) if !batch_first, (T, F)
 /// unbatched) as (N, T, F), after the checks of forward for `name` (F =
 /// `features`, called `feature_name` in the error).
