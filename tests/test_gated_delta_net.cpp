@@ -15,6 +15,7 @@
 #include "mha/gated_delta_net.h"
 #include "mha/hf.h"
 #include "mha/state_dict.h"
+#include "test_helpers.h"
 
 namespace gated_delta_net_tests {
 
@@ -172,37 +173,20 @@ TEST(GatedDeltaNet, SeqFirstEqualsBatchFirst) {
 }
 
 TEST(GatedDeltaNet, BadInputsNameTheArgument) {
-  auto throws_with = [](auto&& f, const std::string& what) {
-    try {
-      f();
-      ADD_FAILURE() << "no error for " << what;
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos)
-          << e.what();
-    }
-  };
-  throws_with([] { GatedDeltaNet(small().num_value_heads(3)); },
-              "num_value_heads");
+  EXPECT_THROW_MSG(GatedDeltaNet(small().num_value_heads(3)),
+                   "num_value_heads");
   auto m = make(3);
-  throws_with(
-      [&] {
-        m->forward(torch::randn({2, 3, 11}, torch::kFloat64));
-      },
-      "x must be");
-  throws_with(
-      [&] {
-        m->forward(torch::randn({2, 3, 12}, torch::kFloat64),
-                   torch::zeros({2, 4}, torch::kBool));
-      },
-      "key_padding_mask");
+  EXPECT_THROW_MSG(m->forward(torch::randn({2, 3, 11}, torch::kFloat64)),
+                   "x must be");
+  EXPECT_THROW_MSG(m->forward(torch::randn({2, 3, 12}, torch::kFloat64),
+                              torch::zeros({2, 4}, torch::kBool)),
+                   "key_padding_mask");
   auto state = m->make_state(1);
-  throws_with(
-      [&] {
-        m->forward_cached(torch::randn({2, 1, 12}, torch::kFloat64), state);
-      },
+  EXPECT_THROW_MSG(
+      m->forward_cached(torch::randn({2, 1, 12}, torch::kFloat64), state),
       "state must be");
-  throws_with(
-      [] { mha::hf::load_gated_delta_net(fixtures::path("hf/qwen3_next"), 1); },
+  EXPECT_THROW_MSG(
+      mha::hf::load_gated_delta_net(fixtures::path("hf/qwen3_next"), 1),
       "full_attention");
 }
 

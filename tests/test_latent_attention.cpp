@@ -15,6 +15,7 @@
 #include "mha/latent_attention.h"
 #include "mha/parity.h"
 #include "mha/state_dict.h"
+#include "test_helpers.h"
 
 namespace latent_attention_tests {
 
@@ -184,36 +185,19 @@ TEST(LatentAttention, AutoPathAndErrors) {
   EXPECT_EQ(v3->auto_path(2048, 2048), LatentPath::kNaive);
   auto cache = v3->make_cache(1, 4);
   EXPECT_EQ(cache.numbers_per_token(), 576);  // DeepSeek-V3's latent cache
-  auto throws_with = [](auto&& f, const std::string& what) {
-    try {
-      f();
-      ADD_FAILURE() << "no error for " << what;
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos)
-          << e.what();
-    }
-  };
-  throws_with([] { MultiHeadLatentAttention(small(0).qk_rope_head_dim(3)); },
-              "qk_rope_head_dim");
-  throws_with([] { MultiHeadLatentAttention(small(-1)); }, "q_lora_rank");
+  EXPECT_THROW_MSG(MultiHeadLatentAttention(small(0).qk_rope_head_dim(3)),
+                   "qk_rope_head_dim");
+  EXPECT_THROW_MSG(MultiHeadLatentAttention(small(-1)), "q_lora_rank");
   auto m = make(small(0), 3);
-  throws_with(
-      [&] {
-        m->forward(torch::randn({2, 3, 15}, torch::kFloat64));
-      },
-      "x must be");
-  throws_with(
-      [&] {
-        m->forward(torch::randn({2, 3, 16}, torch::kFloat64),
-                   torch::zeros({2, 4}, torch::kBool));
-      },
-      "key_padding_mask");
+  EXPECT_THROW_MSG(m->forward(torch::randn({2, 3, 15}, torch::kFloat64)),
+                   "x must be");
+  EXPECT_THROW_MSG(m->forward(torch::randn({2, 3, 16}, torch::kFloat64),
+                              torch::zeros({2, 4}, torch::kBool)),
+                   "key_padding_mask");
   auto full = m->make_cache(2, 2);
-  throws_with(
-      [&] {
-        torch::NoGradGuard no_grad;
-        m->forward_cached(torch::randn({2, 3, 16}, torch::kFloat64), full);
-      },
+  torch::NoGradGuard no_grad;
+  EXPECT_THROW_MSG(
+      m->forward_cached(torch::randn({2, 3, 16}, torch::kFloat64), full),
       "room");
 }
 
