@@ -212,6 +212,29 @@ void add_reference_grads(torch::nn::Module& ours,
   }
 }
 
+/// The reference of a case with a target (query) and a memory / source
+/// (key = value), run in ref_dtype through `run(params, inputs)`: its parts
+/// in mine's order: output, "grad tgt", `memory_name`, then every parameter
+/// of `ours`.
+template <typename Run>
+Parts target_memory_reference(torch::nn::Module& ours,
+                              torch::nn::Module& pristine, const Inputs& in,
+                              const torch::Tensor& g_out,
+                              const char* memory_name,
+                              torch::ScalarType ref_dtype, Run&& run) {
+  auto params = parameters_as(pristine, ref_dtype);
+  Inputs r = in;
+  r.query = leaf(in.query, ref_dtype);
+  r.key = r.value = leaf(in.key, ref_dtype);
+  auto out_r = run(params, r);
+  (out_r * g_out.to(ref_dtype)).sum().backward();
+  Parts parts = {{"output", out_r},
+                 {"grad tgt", r.query.grad()},
+                 {memory_name, r.key.grad()}};
+  add_reference_grads(ours, params, parts);
+  return parts;
+}
+
 /// The reference (`reference(dtype)` gives its parts) run in the case's
 /// half dtype, for the half rule where torch::nn cannot bound the error
 /// (judge): PyTorch's tests of its low-precision attention compare with the
@@ -403,17 +426,11 @@ CaseResult run_decoder_case(const Case& c, const torch::Device& device,
 
   // --- the reference, in float64 (and in a half dtype: judge) ---
   auto reference = [&](torch::ScalarType ref_dtype) {
-    auto params = parameters_as(*pristine, ref_dtype);
-    Inputs r = in;
-    r.query = leaf(in.query, ref_dtype);
-    r.key = r.value = leaf(in.key, ref_dtype);
-    auto out_r = reference_decoder_layer(options, c.gelu, params, r);
-    (out_r * g_out.to(ref_dtype)).sum().backward();
-    Parts parts = {{"output", out_r},
-                   {"grad tgt", r.query.grad()},
-                   {"grad memory", r.key.grad()}};
-    add_reference_grads(*ours, params, parts);
-    return parts;
+    return target_memory_reference(
+        *ours, *pristine, in, g_out, "grad memory", ref_dtype,
+        [&](const auto& params, const Inputs& r) {
+          return reference_decoder_layer(options, c.gelu, params, r);
+        });
   };
   const Parts f64_parts = reference(torch::kFloat64);
   const Parts half_parts = half_reference_parts(c, reference);
@@ -490,17 +507,11 @@ CaseResult run_transformer_case(const Case& c, const torch::Device& device,
 
   // --- the reference, in float64 (and in a half dtype: judge) ---
   auto reference = [&](torch::ScalarType ref_dtype) {
-    auto params = parameters_as(*pristine, ref_dtype);
-    Inputs r = in;
-    r.query = leaf(in.query, ref_dtype);
-    r.key = r.value = leaf(in.key, ref_dtype);
-    auto out_r = reference_transformer(options, c.gelu, params, r);
-    (out_r * g_out.to(ref_dtype)).sum().backward();
-    Parts parts = {{"output", out_r},
-                   {"grad tgt", r.query.grad()},
-                   {"grad src", r.key.grad()}};
-    add_reference_grads(*ours, params, parts);
-    return parts;
+    return target_memory_reference(
+        *ours, *pristine, in, g_out, "grad src", ref_dtype,
+        [&](const auto& params, const Inputs& r) {
+          return reference_transformer(options, c.gelu, params, r);
+        });
   };
   const Parts f64_parts = reference(torch::kFloat64);
   const Parts half_parts = half_reference_parts(c, reference);
