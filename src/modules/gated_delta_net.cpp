@@ -10,6 +10,7 @@
 #include "mha/gated_delta_net.h"
 
 #include <cmath>
+#include <vector>
 
 #include "core/blas_threads.h"
 #include "modules/module_inputs.h"
@@ -310,12 +311,17 @@ torch::Tensor GatedDeltaNetImpl::forward_cached(const torch::Tensor& x_in,
   const auto x = detail::sequence_input(
       x_in, options.embed_dim(), options.batch_first(), out_proj->weight, who);
   const int64_t N = x.size(0);
-  const auto fresh = make_state(N);
+  // make_state(N)'s shapes, checked without making one (a decoding step).
+  const auto& o = options;
+  const std::vector<int64_t> conv{N, conv_channels(o), o.conv_kernel_dim() - 1};
+  const std::vector<int64_t> recurrent{N, o.num_value_heads(), o.key_head_dim(),
+                                       o.value_head_dim()};
   TORCH_CHECK(state.conv.defined() && state.recurrent.defined() &&
-                  state.conv.sizes() == fresh.conv.sizes() &&
-                  state.recurrent.sizes() == fresh.recurrent.sizes(),
+                  state.conv.sizes() == c10::IntArrayRef(conv) &&
+                  state.recurrent.sizes() == c10::IntArrayRef(recurrent),
               who, ": state must be make_state(", N, ")'s shape: conv ",
-              fresh.conv.sizes(), ", recurrent ", fresh.recurrent.sizes());
+              c10::IntArrayRef(conv), ", recurrent ",
+              c10::IntArrayRef(recurrent));
   auto out = run(*this, x, state.conv, state.recurrent,
                  /*recurrent=*/x.size(1) == 1);
   state.tokens += x.size(1);
