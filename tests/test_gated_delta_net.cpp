@@ -9,7 +9,11 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "core/delta_rule.h"
 #include "family_gradients.h"
 #include "fixture_helpers.h"
 #include "mha/gated_delta_net.h"
@@ -156,6 +160,122 @@ TEST(GatedDeltaNet, RecurrentAndChunkedDecodingEqualForward) {
   auto other = make(2);
   other->options.chunk_size(3);
   EXPECT_TRUE(torch::allclose(other->forward(x), whole, 1e-12, 1e-12));
+}
+
+/// The delta rule token by token (core/delta_rule.h's equations): q, k
+/// (B, L, dk), v (B, L, dv), g, beta (B, L), S (B, dk, dv).
+std::pair<torch::Tensor, torch::Tensor> delta_rule_loop(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& g, const torch::Tensor& beta, torch::Tensor S) {
+  std::vector<torch::Tensor> out;
+  for (int64_t t = 0; t < q.size(1); ++t) {
+    S = S * g.select(1, t).exp().view({-1, 1, 1});
+    const auto k_t = k.select(1, t);
+    const auto memory = (S * k_t.unsqueeze(-1)).sum(1);  // Sᵀ k (B, dv)
+    const auto delta =
+        (v.select(1, t) - memory) * beta.select(1, t).unsqueeze(-1);
+    S = S + k_t.unsqueeze(-1) * delta.unsqueeze(1);
+    out.push_back((S * q.select(1, t).unsqueeze(-1)).sum(1));
+  }
+  return {torch::stack(out, 1), S};
+}
+
+TEST(GatedDeltaNet, KernelEqualsTheLoopWithStateGradients) {
+  // The CPU walk against the loop, from a nonzero starting state, for
+  // chunks of 1, 4 (a partial last chunk) and longer than the sequence;
+  // the gradients of every input, the starting state's included, through
+  // the output and the final state.
+  torch::manual_seed(11);
+  const int64_t B = 3, L = 10, dk = 3, dv = 5;
+  auto leaf = [](torch::Tensor t) { return t.requires_grad_(true); };
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat64);
+  auto q = leaf(torch::randn({B, L, dk}, opts));
+  auto k = leaf(torch::nn::functional::normalize(
+                    torch::randn({B, L, dk}, opts),
+                    torch::nn::functional::NormalizeFuncOptions().dim(-1))
+                    .detach());
+  auto v = leaf(torch::randn({B, L, dv}, opts));
+  auto g = leaf(-torch::rand({B, L}, opts));
+  auto beta = leaf(torch::rand({B, L}, opts));
+  auto S0 = leaf(torch::randn({B, dk, dv}, opts));
+  const auto Ro = torch::randn({B, L, dv}, opts);
+  const auto Rs = torch::randn({B, dk, dv}, opts);
+  const std::vector<torch::Tensor> inputs{q, k, v, g, beta, S0};
+  auto gradients = [&](const std::pair<torch::Tensor, torch::Tensor>& r) {
+    return torch::autograd::grad({(r.first * Ro).sum() + (r.second * Rs).sum()},
+                                 inputs);
+  };
+  const auto ref = delta_rule_loop(q, k, v, g, beta, S0);
+  const auto ref_grads = gradients(ref);
+  for (int64_t chunk : {1, 4, 16}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    const auto got = mha::detail::gated_delta_rule(q, k, v, g, beta, S0, chunk);
+    EXPECT_TRUE(torch::allclose(got.first, ref.first, 1e-12, 1e-12));
+    EXPECT_TRUE(torch::allclose(got.second, ref.second, 1e-12, 1e-12));
+    const auto got_grads = gradients(got);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(got_grads[i], ref_grads[i], 1e-12, 1e-12))
+          << "input " << i << ": max abs "
+          << (got_grads[i] - ref_grads[i]).abs().max().item<double>();
+    }
+  }
+  // float32 at rounding, and no states kept without gradients.
+  torch::NoGradGuard no_grad;
+  const auto f32 = mha::detail::gated_delta_rule(
+      q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32),
+      g.to(torch::kFloat32), beta.to(torch::kFloat32), S0.to(torch::kFloat32),
+      4);
+  EXPECT_TRUE(
+      torch::allclose(f32.first.to(torch::kFloat64), ref.first, 1e-4, 1e-5));
+}
+
+TEST(GatedDeltaNet, ConvolutionEqualsConv1dWithGradients) {
+  // The channels-last convolution against torch::conv1d over [context; x]
+  // then SiLU, in float64: output and the gradients of x, the context and
+  // the weights; T below and above K - 1.
+  torch::manual_seed(12);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat64);
+  const int64_t N = 2, ch = 70, K = 4;  // 70: a partial block of channels
+  for (int64_t T : {1, 9}) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    auto x = torch::randn({N, T, ch}, opts).requires_grad_(true);
+    auto ctx = torch::randn({N, K - 1, ch}, opts).requires_grad_(true);
+    auto w = torch::randn({ch, K}, opts).requires_grad_(true);
+    const auto R = torch::randn({N, T, ch}, opts);
+    const auto got = mha::detail::causal_conv_silu(x, ctx, w);
+    namespace F = torch::nn::functional;
+    const auto ref =
+        torch::silu(F::conv1d(torch::cat({ctx, x}, 1).transpose(1, 2),
+                              w.unsqueeze(1),
+                              F::Conv1dFuncOptions().groups(ch)))
+            .transpose(1, 2);
+    EXPECT_TRUE(torch::allclose(got, ref, 1e-12, 1e-12));
+    const std::vector<torch::Tensor> inputs{x, ctx, w};
+    const auto g_got = torch::autograd::grad({(got * R).sum()}, inputs);
+    const auto g_ref = torch::autograd::grad({(ref * R).sum()}, inputs);
+    for (size_t i = 0; i < g_got.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(g_got[i], g_ref[i], 1e-12, 1e-12))
+          << "input " << i;
+    }
+  }
+}
+
+TEST(GatedDeltaNet, BFloat16FollowsFloat32) {
+  // A bfloat16 module (its convolution through torch::conv1d, the delta
+  // rule in float32) against the same weights in float32: within
+  // bfloat16's rounding of the inputs, weights and output.
+  auto m = make(13);
+  m->to(torch::kFloat32);
+  auto half = std::dynamic_pointer_cast<mha::GatedDeltaNetImpl>(m->clone());
+  half->to(torch::kBFloat16);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({2, 9, 12}).to(torch::kBFloat16);
+  const auto ref = m->forward(x.to(torch::kFloat32));
+  const auto got = half->forward(x);
+  ASSERT_EQ(got.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::allclose(got.to(torch::kFloat32), ref, 0.05, 0.05))
+      << "max abs "
+      << (got.to(torch::kFloat32) - ref).abs().max().item<float>();
 }
 
 TEST(GatedDeltaNet, SeqFirstEqualsBatchFirst) {

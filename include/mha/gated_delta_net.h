@@ -82,7 +82,10 @@ class GatedDeltaNetImpl : public torch::nn::Cloneable<GatedDeltaNetImpl> {
   /// tokens are zeroed before the projections, as transformers. Returns
   /// (N, L, E) in x's layout. Computed in float32 for half inputs (float64
   /// for float64), as transformers' kernels. Differentiable. Time and
-  /// memory linear in L (chunks of chunk_size in order). c10::Error naming
+  /// memory linear in L (chunks of chunk_size in order); on the CPU each
+  /// value head walks its chunks on one of ATen's threads, the short
+  /// convolution channels last (src/core/delta_rule.h), subnormal numbers
+  /// flushed to zero within the walk. c10::Error naming
   /// the argument for wrong shapes, dtypes or devices.
   torch::Tensor forward(const torch::Tensor& x,
                         const torch::Tensor& key_padding_mask = {});

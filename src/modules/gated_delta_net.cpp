@@ -2,7 +2,9 @@
 // transformers 5.x's Qwen3NextGatedDeltaNet computes it (its torch
 // fallbacks torch_chunk_gated_delta_rule and
 // torch_recurrent_gated_delta_rule), in the compute dtype float32 (float64
-// for float64 inputs).
+// for float64 inputs). On the CPU the chunked form and the convolution are
+// core/delta_rule.h's walks; chunked_rule (ATen ops) is the form on other
+// devices.
 //
 // Glossary: N batch, L / T length, Hk key heads, Hv value heads, G = Hv /
 // Hk, dk / dv head sizes, K conv width, C chunk size, S the state (dk x
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "core/blas_threads.h"
+#include "core/delta_rule.h"
 #include "modules/module_inputs.h"
 #include "modules/projection.h"
 
@@ -226,36 +229,57 @@ torch::Tensor run(const GatedDeltaNetImpl& m, const torch::Tensor& x,
   const int64_t Hk = o.num_key_heads(), Hv = o.num_value_heads();
   const int64_t G = Hv / Hk, dk = o.key_head_dim(), dv = o.value_head_dim();
   const int64_t K = o.conv_kernel_dim();
-  // Rows grouped per key head: [q | k | v (G·dv) | z (G·dv)], [b | a].
+  // Rows grouped per key head: [q | k | v (G·dv) | z (G·dv)], [b | a]
+  // (split, not narrowed: one gradient assembled in the backward).
   const auto qkvz = detail::project(x, m.in_proj_qkvz->weight, {})
-                        .reshape({N, T, Hk, 2 * dk + 2 * G * dv});
-  const auto ba =
-      torch::linear(x, m.in_proj_ba->weight).reshape({N, T, Hk, 2 * G});
-  const auto q = qkvz.narrow(3, 0, dk).reshape({N, T, Hk * dk});
-  const auto k = qkvz.narrow(3, dk, dk).reshape({N, T, Hk * dk});
-  const auto v = qkvz.narrow(3, 2 * dk, G * dv).reshape({N, T, Hv * dv});
-  const auto z =
-      qkvz.narrow(3, 2 * dk + G * dv, G * dv).reshape({N, T, Hv, dv});
-  const auto b = ba.narrow(3, 0, G).reshape({N, T, Hv});
-  const auto a = ba.narrow(3, G, G).reshape({N, T, Hv});
-  // The causal depthwise convolution with SiLU, over the context and x.
-  const auto mixed = torch::cat({q, k, v}, 2).transpose(1, 2);  // (N, ch, T)
-  const auto with_context =
-      torch::cat({conv_context.to(mixed.dtype()), mixed}, 2);
-  const auto conv = torch::silu(torch::conv1d(
-      with_context, m.conv1d->weight, torch::Tensor(),
-      /*stride=*/std::vector<int64_t>{1}, /*padding=*/std::vector<int64_t>{0},
-      /*dilation=*/std::vector<int64_t>{1},
-      /*groups=*/with_context.size(1)));
-  conv_context = with_context.narrow(2, T, K - 1).detach();
+                        .view({N, T, Hk, 2 * dk + 2 * G * dv})
+                        .split_with_sizes({dk, dk, G * dv, G * dv}, 3);
+  const auto ba = torch::linear(x, m.in_proj_ba->weight)
+                      .view({N, T, Hk, 2 * G})
+                      .split_with_sizes({G, G}, 3);
+  const auto z = qkvz[3].reshape({N, T, Hv, dv});
+  const auto b = ba[0].reshape({N, T, Hv});
+  const auto a = ba[1].reshape({N, T, Hv});
+  // The causal depthwise convolution with SiLU, over the context and x,
+  // channels last: (N, T, ch) with ch = [q (Hk·dk) | k (Hk·dk) | v (Hv·dv)].
+  const auto mixed = torch::cat(
+      {qkvz[0].reshape({N, T, Hk * dk}), qkvz[1].reshape({N, T, Hk * dk}),
+       qkvz[2].reshape({N, T, Hv * dv})},
+      2);
+  const int64_t ch = mixed.size(2);
+  const auto context = conv_context.to(mixed.dtype());  // (N, ch, K - 1)
+  torch::Tensor conv;                                   // (N, T, ch)
+  if (detail::gated_delta_rule_applies(mixed)) {
+    conv = detail::causal_conv_silu(mixed, context.transpose(1, 2),
+                                    m.conv1d->weight.view({ch, K}));
+  } else {
+    conv = torch::silu(
+               torch::conv1d(torch::cat({context, mixed.transpose(1, 2)}, 2),
+                             m.conv1d->weight, torch::Tensor(),
+                             /*stride=*/std::vector<int64_t>{1},
+                             /*padding=*/std::vector<int64_t>{0},
+                             /*dilation=*/std::vector<int64_t>{1},
+                             /*groups=*/ch))
+               .transpose(1, 2);
+  }
+  // The last K - 1 inputs, for the next call.
+  conv_context =
+      (T >= K - 1
+           ? mixed.narrow(1, T - (K - 1), K - 1)
+           : torch::cat(
+                 {context.transpose(1, 2).narrow(1, T, K - 1 - T), mixed}, 1))
+          .transpose(1, 2)
+          .contiguous()
+          .detach();
   const auto dtype = compute_dtype(x.scalar_type());
-  const auto qkv = conv.transpose(1, 2).to(dtype);  // (N, T, ch)
+  const auto qkv = conv.to(dtype).split_with_sizes({Hk * dk, Hk * dk, Hv * dv},
+                                                   2);  // (N, T, ·)
   auto heads = [&](const torch::Tensor& t, int64_t H, int64_t d) {
     return t.reshape({N, T, H, d}).transpose(1, 2);  // (N, H, T, d)
   };
-  auto qh = heads(qkv.narrow(2, 0, Hk * dk), Hk, dk);
-  auto kh = heads(qkv.narrow(2, Hk * dk, Hk * dk), Hk, dk);
-  const auto vh = heads(qkv.narrow(2, 2 * Hk * dk, Hv * dv), Hv, dv);
+  auto qh = heads(qkv[0], Hk, dk);
+  auto kh = heads(qkv[1], Hk, dk);
+  const auto vh = heads(qkv[2], Hv, dv);
   if (G > 1) {
     qh = qh.repeat_interleave(G, 1);
     kh = kh.repeat_interleave(G, 1);
@@ -266,9 +290,21 @@ torch::Tensor run(const GatedDeltaNetImpl& m, const torch::Tensor& x,
   const auto g = (-m.A_log.to(dtype).exp() *
                   torch::softplus(a.to(dtype) + m.dt_bias.to(dtype)))
                      .transpose(1, 2);  // (N, Hv, T)
-  const auto out =
-      recurrent ? recurrent_rule(qh, kh, vh, g, beta, state)
-                : chunked_rule(qh, kh, vh, g, beta, state, o.chunk_size());
+  torch::Tensor out;
+  if (recurrent) {
+    out = recurrent_rule(qh, kh, vh, g, beta, state);
+  } else if (detail::gated_delta_rule_applies(qh)) {
+    // The CPU walk (core/delta_rule.h) on (N·Hv) items.
+    auto [o_items, s_items] = detail::gated_delta_rule(
+        qh.reshape({N * Hv, T, dk}), kh.reshape({N * Hv, T, dk}),
+        vh.reshape({N * Hv, T, dv}), g.reshape({N * Hv, T}),
+        beta.reshape({N * Hv, T}), state.reshape({N * Hv, dk, dv}),
+        o.chunk_size());
+    out = o_items.view({N, Hv, T, dv});
+    state = s_items.view({N, Hv, dk, dv});
+  } else {
+    out = chunked_rule(qh, kh, vh, g, beta, state, o.chunk_size());
+  }
   // The gated RMSNorm per head (Qwen3NextRMSNormGated), then out_proj.
   const auto o_t = out.transpose(1, 2);  // (N, T, Hv, dv)
   const auto normed =
