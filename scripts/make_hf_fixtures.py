@@ -183,9 +183,12 @@ def linear_layer_case(name, model, layer):
         tensors[f"step{step}.output"] = seen["out"]
     h.remove()
     save_model(model, path)
+    # A reference file as mha-parity --reference reads it (the attention
+    # mask is the forward's; the steps have none).
     save_file({k: v.contiguous() for k, v in tensors.items()},
               os.path.join(path, "reference.safetensors"),
-              metadata={"layer": str(layer)})
+              metadata=dict(rr.metadata(model, layer, "encoder"),
+                            model_dir="."))
     print(f"{name}: layer {layer} (linear attention), 4 decoding steps")
 
 

@@ -576,4 +576,33 @@ TEST(FamilyFixtures, OptionsAndWhatTheyCatch) {
   });
 }
 
+TEST(FamilyFixtures, ParityRowsForLatentAttentionAndGatedDeltaNet) {
+  // mha-parity --reference runs DeepSeek's MLA and Qwen3-Next's Gated
+  // DeltaNet as their own modules: the recorded forward (and the Gated
+  // DeltaNet's four decoding steps) pass at 1e-5 + 1e-4 |ref|, and a
+  // planted fault in the output projection fails them.
+  for (const std::string name :
+       {"deepseek_v3", "deepseek_v2", "qwen3_next_linear"}) {
+    SCOPED_TRACE(name);
+    const auto file = fixtures::path("hf/" + name) + "/reference.safetensors";
+    const auto check = mha::parity::check_reference(file);
+    EXPECT_TRUE(check.within) << check.worst;
+    const bool steps = name == "qwen3_next_linear";
+    ASSERT_EQ(check.parts.size(), steps ? 5u : 1u);
+    EXPECT_EQ(check.parts[0].what, "output");
+    EXPECT_EQ(check.skipped_rows, 2);  // the padded forward's two rows
+    EXPECT_NE(check.note.find(steps ? "Gated DeltaNet" : "Latent"),
+              std::string::npos)
+        << check.note;
+    const auto faulty = mha::parity::check_reference(
+        file, torch::kCPU, {}, [&](torch::nn::Module& m) {
+          auto params = m.named_parameters();
+          auto* w = params.find(steps ? "out_proj.weight" : "o_proj.weight");
+          ASSERT_NE(w, nullptr);
+          w->index_put_({0, 0}, (*w)[0][0] + 0.1);
+        });
+    EXPECT_FALSE(faulty.within);
+  }
+}
+
 }  // namespace model_families_tests

@@ -278,11 +278,21 @@ struct RecordedCheck {
 /// with forward_cached, each step with the mask's columns so far as
 /// key_padding_mask. Query rows the attention_mask marks padding are left
 /// out of the comparison (skipped_rows).
-/// `tamper`, when given, is called on the module before it runs (a test
-/// plants a fault that the check must catch).
+/// A layer that is not a MultiHeadAttention runs as its own module, from
+/// the file's model_dir (required there), outputs compared (neither
+/// returns weights): deepseek_v2 / deepseek_v3 as MultiHeadLatentAttention
+/// (hf::load_latent_attention; steps through one LatentCache), and
+/// qwen3_next's linear_attention layers as GatedDeltaNet
+/// (hf::load_gated_delta_net; steps through one GatedDeltaNetState, no
+/// attention_mask). Such a file may hold both a forward and steps; the
+/// attention_mask then belongs to the forward.
+/// `tamper`, when given, is called on a MultiHeadAttention before it runs,
+/// `tamper_module` on the module of any kind (a test plants a fault that
+/// the check must catch).
 /// Throws c10::Error for a malformed file or a model mha::hf cannot build.
 RecordedCheck check_reference(
     const std::string& path, const torch::Device& device = torch::kCPU,
-    const std::function<void(MultiHeadAttentionImpl&)>& tamper = {});
+    const std::function<void(MultiHeadAttentionImpl&)>& tamper = {},
+    const std::function<void(torch::nn::Module&)>& tamper_module = {});
 
 }  // namespace mha::parity

@@ -84,6 +84,27 @@ MultiHeadLatentAttention load_latent_attention(const std::string& model_dir,
   return module;
 }
 
+namespace detail {
+
+std::string qwen3_next_layer_type(const nlohmann::json& config, int64_t layer,
+                                  const std::string& where) {
+  // layer_types (5.x), else every full_attention_interval-th layer is full.
+  const auto* types = find_key(config, {"layer_types"});
+  if (types != nullptr) {
+    TORCH_CHECK(types->is_array() &&
+                    static_cast<int64_t>(types->size()) > layer &&
+                    (*types)[layer].is_string(),
+                where, ": layer_types must list a string per layer, got ",
+                types->dump());
+    return (*types)[layer].get<std::string>();
+  }
+  return (layer + 1) % opt_int(config, "full_attention_interval", 4, where)
+             ? "linear_attention"
+             : "full_attention";
+}
+
+}  // namespace detail
+
 GatedDeltaNet load_gated_delta_net(const std::string& model_dir,
                                    int64_t layer) {
   using detail::get_int;
@@ -99,21 +120,7 @@ GatedDeltaNet load_gated_delta_net(const std::string& model_dir,
   TORCH_CHECK(layer >= 0 && layer < layers, where, ": layer ", layer,
               " out of range: the model has ", layers,
               " layers (expected 0 <= layer < ", layers, ")");
-  // layer_types (5.x), else every full_attention_interval-th layer is full.
-  const auto* types = detail::find_key(config, {"layer_types"});
-  std::string type;
-  if (types != nullptr) {
-    TORCH_CHECK(types->is_array() &&
-                    static_cast<int64_t>(types->size()) > layer &&
-                    (*types)[layer].is_string(),
-                where, ": layer_types must list a string per layer, got ",
-                types->dump());
-    type = (*types)[layer].get<std::string>();
-  } else {
-    type = (layer + 1) % opt_int(config, "full_attention_interval", 4, where)
-               ? "linear_attention"
-               : "full_attention";
-  }
+  const std::string type = detail::qwen3_next_layer_type(config, layer, where);
   TORCH_CHECK(type == "linear_attention", where, ": layer_types[", layer,
               "] is '", type,
               "', not a Gated DeltaNet layer (load_attention reads "

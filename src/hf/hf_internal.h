@@ -97,6 +97,12 @@ std::pair<double, RotaryScaling> rotary_of(const nlohmann::json& config,
                                            int64_t rotary_dim,
                                            const std::string& where);
 
+/// Layer `layer`'s entry of a Qwen3-Next config's layer_types (5.x), or
+/// for 4.x configs "linear_attention" except every
+/// full_attention_interval-th layer ("full_attention"); family_modules.cpp.
+std::string qwen3_next_layer_type(const nlohmann::json& config, int64_t layer,
+                                  const std::string& where);
+
 /// config.json's text parsed; `where` names it in messages.
 nlohmann::json parse_config(const std::string& text, const std::string& where);
 

@@ -11,14 +11,19 @@
 #include <fstream>
 #include <functional>
 #include <iomanip>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <system_error>
 #include <vector>
 
+#include "hf/hf_internal.h"
 #include "io/safetensors.h"
 #include "io/tensor_file.h"
+#include "mha/gated_delta_net.h"
 #include "mha/hf.h"
+#include "mha/latent_attention.h"
 #include "mha/parity.h"
 
 namespace mha::parity {
@@ -296,28 +301,206 @@ void check_steps(const RecordedReference& r, MultiHeadAttention& module,
   check.note = note.str();
 }
 
+/// The module a reference's layer needs: MultiHeadAttention, Multi-head
+/// Latent Attention (deepseek_v2 / deepseek_v3) or Gated DeltaNet
+/// (qwen3_next's linear_attention layers).
+enum class LayerKind { kAttention, kLatent, kGatedDeltaNet };
+
+LayerKind layer_kind(const RecordedReference& r, const std::string& config) {
+  const auto json = hf::detail::parse_config(config, r.path);
+  const std::string type =
+      hf::detail::opt_string(json, "model_type", "", r.path);
+  if (type == "deepseek_v2" || type == "deepseek_v3") {
+    return LayerKind::kLatent;
+  }
+  if (type == "qwen3_next" &&
+      hf::detail::qwen3_next_layer_type(json, layer_of(r), r.path) ==
+          "linear_attention") {
+    return LayerKind::kGatedDeltaNet;
+  }
+  return LayerKind::kAttention;
+}
+
+/// A layer that is not a MultiHeadAttention, as check_sequence runs it:
+/// forward(x, key_padding_mask or undefined, positions or undefined), and
+/// decoding steps after start(N, total tokens) by step(x, key_padding_mask
+/// (N, P + T) or undefined, positions or undefined).
+struct SequenceLayer {
+  std::string what;  // "Multi-head Latent Attention", ...
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                              const torch::Tensor&)>
+      forward, step;
+  std::function<void(int64_t, int64_t)> start;
+};
+
+/// The recorded forward (hidden_states) and the recorded steps (step<k>.*),
+/// whichever the file holds, outputs only (neither module returns
+/// weights). The attention_mask is the forward's key padding when the file
+/// has a forward, else the steps' (its first P + T columns per step).
+void check_sequence(const RecordedReference& r, SequenceLayer& layer,
+                    const torch::Device& device, RecordedCheck& check,
+                    Worst& worst) {
+  std::ostringstream note;
+  note << layer.what << ", layer " << layer_of(r);
+  const bool has_forward = r.tensors.contains("hidden_states");
+  if (has_forward) {
+    const auto x = tensor(r, "hidden_states");  // (N, L, E)
+    TORCH_CHECK(x.dim() == 3, r.path, ": hidden_states must be (N, L, E), got ",
+                x.sizes());
+    const int64_t N = x.size(0), L = x.size(1);
+    const auto keep = keep_mask(r, N, L);  // (N, L)
+    const bool padded = !keep.all().item<bool>();
+    const auto out = layer.forward(
+        x.to(device), padded ? (~keep).to(device) : torch::Tensor(),
+        positions_of(r, "position_ids", N, L, device));  // (N, L, E)
+    check.skipped_rows += (~keep).sum().item<int64_t>();
+    compare("output", out, tensor(r, "output"), keep.view({N, L, 1}), check,
+            worst);
+    note << ", " << N << "x" << L << " tokens";
+  }
+  auto step_name = [](int64_t k, const char* what) {
+    return "step" + std::to_string(k) + "." + what;
+  };
+  int64_t steps = 0, total = 0, N = 0;
+  while (r.tensors.contains(step_name(steps, "hidden_states"))) {
+    const auto x = tensor(r, step_name(steps, "hidden_states"));
+    TORCH_CHECK(x.dim() == 3 && (steps == 0 || x.size(0) == N), r.path, ": ",
+                step_name(steps, "hidden_states"),
+                " must be (N, T, E) with the N of step0, got ", x.sizes());
+    N = x.size(0);
+    total += x.size(1);
+    ++steps;
+  }
+  if (steps > 0) {
+    const auto keep = has_forward ? torch::ones({N, total}, torch::kBool)
+                                  : keep_mask(r, N, total);  // (N, total)
+    const bool padded = !keep.all().item<bool>();
+    layer.start(N, total);
+    for (int64_t k = 0, P = 0; k < steps; ++k) {
+      const auto x = tensor(r, step_name(k, "hidden_states"));  // (N, T, E)
+      const int64_t T = x.size(1);
+      const auto out = layer.step(
+          x.to(device),
+          padded ? (~keep.narrow(1, 0, P + T)).to(device) : torch::Tensor(),
+          positions_of(r, step_name(k, "position_ids"), N, T, device));
+      const auto rows = keep.narrow(1, P, T);  // (N, T)
+      check.skipped_rows += (~rows).sum().item<int64_t>();
+      compare(step_name(k, "output"), out, tensor(r, step_name(k, "output")),
+              rows.reshape({N, T, 1}), check, worst);
+      P += T;
+    }
+    note << ", " << N << " sequences, " << steps << " decoding steps (" << total
+         << " tokens" << (padded ? ", key padding" : "") << ")";
+  }
+  if (check.skipped_rows > 0) {
+    note << ", " << check.skipped_rows << " padding rows left out";
+  }
+  check.note = note.str();
+}
+
+/// The MLA or Gated DeltaNet layer of the reference's model directory, on
+/// `device`, after `tamper_module`.
+SequenceLayer sequence_layer(
+    const RecordedReference& r, LayerKind kind, const torch::Device& device,
+    const std::function<void(torch::nn::Module&)>& tamper_module,
+    torch::ScalarType& dtype) {
+  const auto dir = r.metadata.find("model_dir");
+  TORCH_CHECK(dir != r.metadata.end(), r.path,
+              ": __metadata__ lacks 'model_dir' (a Multi-head Latent "
+              "Attention or Gated DeltaNet layer is read from its checkpoint)");
+  const auto model_dir =
+      (fs::path(r.path).parent_path() / dir->second).string();
+  SequenceLayer layer;
+  std::shared_ptr<torch::nn::Module> module;
+  if (kind == LayerKind::kLatent) {
+    auto m = hf::load_latent_attention(model_dir, layer_of(r));
+    auto cache = std::make_shared<std::optional<LatentCache>>();
+    layer.what = "Multi-head Latent Attention";
+    layer.forward = [m](const torch::Tensor& x, const torch::Tensor& padding,
+                        const torch::Tensor& positions) mutable {
+      return m->forward(x, padding, /*is_causal=*/true, positions);
+    };
+    layer.start = [m, cache](int64_t N, int64_t total) mutable {
+      cache->emplace(m->make_cache(N, total));
+    };
+    layer.step = [m, cache](const torch::Tensor& x,
+                            const torch::Tensor& padding,
+                            const torch::Tensor& positions) mutable {
+      return m->forward_cached(x, **cache, /*is_causal=*/true, padding,
+                               positions);
+    };
+    module = m.ptr();
+  } else {
+    auto m = hf::load_gated_delta_net(model_dir, layer_of(r));
+    auto state = std::make_shared<GatedDeltaNetState>();
+    layer.what = "Gated DeltaNet";
+    layer.forward = [m](const torch::Tensor& x, const torch::Tensor& padding,
+                        const torch::Tensor&) mutable {
+      return m->forward(x, padding);
+    };
+    layer.start = [m, state](int64_t N, int64_t) mutable {
+      *state = m->make_state(N);
+    };
+    layer.step = [m, state, path = r.path](const torch::Tensor& x,
+                                           const torch::Tensor& padding,
+                                           const torch::Tensor&) mutable {
+      TORCH_CHECK(!padding.defined(), path,
+                  ": Gated DeltaNet's decoding steps take no attention_mask "
+                  "(transformers' recurrent state has no padding)");
+      return m->forward_cached(x, *state);
+    };
+    module = m.ptr();
+  }
+  module->to(device);
+  if (tamper_module) {
+    torch::NoGradGuard no_grad;
+    tamper_module(*module);
+  }
+  dtype = module->parameters().front().scalar_type();
+  return layer;
+}
+
 }  // namespace
 
 RecordedCheck check_reference(
     const std::string& path, const torch::Device& device,
-    const std::function<void(MultiHeadAttentionImpl&)>& tamper) {
+    const std::function<void(MultiHeadAttentionImpl&)>& tamper,
+    const std::function<void(torch::nn::Module&)>& tamper_module) {
   const RecordedReference r = read_reference(path);
   RecordedCheck check;
   check.name = fs::path(path).filename().string();
   const std::string config = config_of(r);
+  const auto tolerance = [](torch::ScalarType dtype) {
+    return (dtype == torch::kFloat32 || dtype == torch::kFloat64)
+               ? Tolerance{1e-5, 1e-4}
+               : tolerance_for(dtype);
+  };
+  const LayerKind kind = layer_kind(r, config);
+  if (kind != LayerKind::kAttention) {
+    auto dtype = torch::kFloat32;
+    auto layer = sequence_layer(r, kind, device, tamper_module, dtype);
+    check.tolerance = tolerance(dtype);
+    torch::NoGradGuard no_grad;
+    Worst worst;
+    check_sequence(r, layer, device, check, worst);
+    check.worst = worst.text;
+    return check;
+  }
   const bool causal = hf::causal_attention(config, stack_of(r));
   auto module = reference_module(r);
   module->to(device);
-  if (tamper) {
+  if (tamper || tamper_module) {
     torch::NoGradGuard no_grad;
-    tamper(*module);
+    if (tamper) {
+      tamper(*module);
+    }
+    if (tamper_module) {
+      tamper_module(*module);
+    }
   }
-  const auto dtype = module->in_proj_bias.defined()
-                         ? module->in_proj_bias.scalar_type()
-                         : module->out_proj->weight.scalar_type();
-  check.tolerance = (dtype == torch::kFloat32 || dtype == torch::kFloat64)
-                        ? Tolerance{1e-5, 1e-4}
-                        : tolerance_for(dtype);
+  check.tolerance = tolerance(module->in_proj_bias.defined()
+                                  ? module->in_proj_bias.scalar_type()
+                                  : module->out_proj->weight.scalar_type());
   torch::NoGradGuard no_grad;
   Worst worst;
   if (r.tensors.contains("hidden_states")) {

@@ -319,13 +319,21 @@ int run_references(const CLI::App& app, const Args& args) {
   for (const auto& path : args.references) {
     nlohmann::json row = {{"file", path}};
     try {
-      std::function<void(mha::MultiHeadAttentionImpl&)> tamper;
+      std::function<void(torch::nn::Module&)> tamper;
       if (args.plant_fault) {
-        tamper = [](mha::MultiHeadAttentionImpl& m) {
-          m.out_proj->weight[0][0].add_(0.1);
+        // The output projection: out_proj (MultiHeadAttention, Gated
+        // DeltaNet) or o_proj (Multi-head Latent Attention).
+        tamper = [](torch::nn::Module& m) {
+          auto params = m.named_parameters(/*recurse=*/true);
+          auto* w = params.find("out_proj.weight");
+          w = w != nullptr ? w : params.find("o_proj.weight");
+          TORCH_CHECK(w != nullptr,
+                      "--plant-fault: the module has no "
+                      "out_proj.weight or o_proj.weight");
+          w->index_put_({0, 0}, (*w)[0][0] + 0.1);
         };
       }
-      const auto r = mha::parity::check_reference(path, device, tamper);
+      const auto r = mha::parity::check_reference(path, device, {}, tamper);
       double max_abs = 0.0;
       double max_rel = 0.0;
       std::string compared;
