@@ -14,6 +14,7 @@ from uniform. Run in the sid chroot (transformers 5.x, torch 2.x):
     /work/shared/tools/in-trixie.sh -r /opt/sid . -- \
         python3 scripts/make_hf_fixtures.py            # every case
         python3 scripts/make_hf_fixtures.py families   # 2025's only
+        python3 scripts/make_hf_fixtures.py gradients  # more gradients
 """
 
 import json
@@ -493,8 +494,25 @@ def main_families():
     case("deepseek_v2", ds2, mask=RIGHT_PADDED)
 
 
+def main_gradients():
+    """gradients.safetensors for the families whose cases hold the model
+    already: each model is read back from its committed case directory, so
+    the gradients belong to that checkpoint (`make_hf_fixtures.py
+    gradients`). Full-attention layers only: gradient_case's mask is the
+    plain causal one."""
+    torch.set_grad_enabled(False)
+    for name, cls, layer in (("olmo2", tf.Olmo2Model, 0),
+                             ("gpt_oss_full", tf.GptOssModel, 1),
+                             ("deepseek_v2", tf.DeepseekV2Model, 0)):
+        model = cls.from_pretrained(os.path.join(ROOT, name),
+                                    attn_implementation="eager").eval()
+        gradient_case(name, model, layer, f"layers.{layer}.self_attn")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["families"]:
         main_families()
+    elif sys.argv[1:] == ["gradients"]:
+        main_gradients()
     else:
         main()

@@ -249,4 +249,13 @@ TEST(LatentAttention, GradientsMatchTransformers) {
       [](const std::string& ours) { return ours; });
 }
 
+// DeepseekV2Attention (a plain q_proj, V2's scale): the same.
+TEST(LatentAttention, V2GradientsMatchTransformers) {
+  const auto dir = fixtures::path("hf/deepseek_v2");
+  auto m = mha::hf::load_latent_attention(dir, 0);
+  family_tests::expect_gradients_match(
+      dir, m, [&](const torch::Tensor& x) { return m->forward(x); },
+      [](const std::string& ours) { return ours; });
+}
+
 }  // namespace latent_attention_tests

@@ -576,6 +576,35 @@ TEST(FamilyFixtures, OptionsAndWhatTheyCatch) {
   });
 }
 
+/// transformers' name of an mha MultiHeadAttention parameter of a 2025
+/// family (the packed q/k/v bias as its three parts).
+std::string transformers_name(const std::string& ours) {
+  if (ours == "q_proj_weight") return "q_proj.weight";
+  if (ours == "k_proj_weight") return "k_proj.weight";
+  if (ours == "v_proj_weight") return "v_proj.weight";
+  if (ours == "in_proj_bias") return "q_proj.bias+k_proj.bias+v_proj.bias";
+  if (ours.rfind("out_proj.", 0) == 0) return "o_proj." + ours.substr(9);
+  return ours;  // q_norm.weight, k_norm.weight, sinks
+}
+
+// OLMo 2 (norms over the whole projections) and gpt-oss's full layer
+// (biases, sinks): the gradients of the input and every parameter against
+// transformers' Olmo2Attention / GptOssAttention.
+TEST(FamilyFixtures, Olmo2AndGptOssGradientsMatchTransformers) {
+  for (const auto& [name, layer] : std::vector<std::pair<std::string, int64_t>>{
+           {"olmo2", 0}, {"gpt_oss_full", 1}}) {
+    SCOPED_TRACE(name);
+    const auto dir = fixtures::path("hf/" + name);
+    auto m = mha::hf::load_attention(dir, layer);
+    family_tests::expect_gradients_match(
+        dir, m,
+        [&](const torch::Tensor& x) {
+          return std::get<0>(m->forward(x, {}, {}, {}, false, {}, true, true));
+        },
+        transformers_name);
+  }
+}
+
 TEST(FamilyFixtures, ParityRowsForLatentAttentionAndGatedDeltaNet) {
   // mha-parity --reference runs DeepSeek's MLA and Qwen3-Next's Gated
   // DeltaNet as their own modules: the recorded forward (and the Gated
