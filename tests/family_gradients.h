@@ -1,6 +1,7 @@
 // The gradient check of the 2025 families' modules against transformers'
 // (tests/fixtures/hf/<case>/gradients.safetensors, written by
-// scripts/make_hf_fixtures.py families), shared by their test files.
+// scripts/make_hf_fixtures.py families / gradients), shared by their test
+// files.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -8,7 +9,6 @@
 
 #include <cstdint>
 #include <iostream>
-#include <sstream>
 #include <sstream>
 #include <string>
 #include <vector>
