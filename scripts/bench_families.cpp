@@ -80,6 +80,36 @@ int main(int argc, char** argv) {
     versus_transformers("mha gpt-oss attention", [&](const torch::Tensor& x) {
       return std::get<0>(oss->forward(x, {}, {}, {}, false, {}, true, true));
     });
+    mha::MultiHeadAttention olmo2(mha::MultiHeadAttentionOptions(1024, 16)
+                                      .num_kv_heads(8)
+                                      .bias(false)
+                                      .rotary(true)
+                                      .qk_norm(mha::QKNorm::kFull));
+    versus_transformers("mha OLMo 2 attention", [&](const torch::Tensor& x) {
+      return std::get<0>(olmo2->forward(x, {}, {}, {}, false, {}, true, true));
+    });
+    mha::MultiHeadAttention gemma3(mha::MultiHeadAttentionOptions(1024, 8)
+                                       .num_kv_heads(4)
+                                       .head_dim(256)
+                                       .bias(false)
+                                       .rotary(true)
+                                       .qk_norm(mha::QKNorm::kPerHead)
+                                       .qk_norm_unit_offset(true));
+    versus_transformers("mha Gemma 3 attention", [&](const torch::Tensor& x) {
+      return std::get<0>(gemma3->forward(x, {}, {}, {}, false, {}, true, true));
+    });
+    mha::MultiHeadAttention llama4(
+        mha::MultiHeadAttentionOptions(1024, 16)
+            .num_kv_heads(8)
+            .head_dim(64)
+            .bias(false)
+            .rotary(true)
+            .rotary_pairing(mha::RotaryPairing::kInterleaved)
+            .qk_norm(mha::QKNorm::kL2)
+            .attention_chunk_size(8192));
+    versus_transformers("mha Llama 4 attention", [&](const torch::Tensor& x) {
+      return std::get<0>(llama4->forward(x, {}, {}, {}, false, {}, true, true));
+    });
     mha::MultiHeadLatentAttention mla(
         mha::MultiHeadLatentAttentionOptions(1024, 16).q_lora_rank(384));
     versus_transformers(

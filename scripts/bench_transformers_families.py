@@ -12,7 +12,10 @@ import time
 import torch
 import transformers as tf
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds3
+from transformers.models.gemma3 import modeling_gemma3 as gemma3
 from transformers.models.gpt_oss import modeling_gpt_oss as oss
+from transformers.models.llama4 import modeling_llama4 as llama4
+from transformers.models.olmo2 import modeling_olmo2 as olmo2
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 from transformers.models.qwen3_next import modeling_qwen3_next as qnext
 
@@ -63,6 +66,23 @@ def main():
     attention_case("GptOssAttention (16 heads, 8 kv, head_dim 64, sinks)",
                    oss.GptOssAttention(c, 0).eval(),
                    oss.GptOssRotaryEmbedding(c))
+    c = tf.Olmo2Config(hidden_size=E, num_attention_heads=16,
+                       num_key_value_heads=8, attn_implementation="eager")
+    attention_case("Olmo2Attention (16 heads, 8 kv, head_dim 64, full norms)",
+                   olmo2.Olmo2Attention(c, 0).eval(),
+                   olmo2.Olmo2RotaryEmbedding(c))
+    c = tf.Gemma3TextConfig(hidden_size=E, attn_implementation="eager")
+    rope = gemma3.Gemma3RotaryEmbedding(c)
+    attention_case("Gemma3Attention (8 heads, 4 kv, head_dim 256, global)",
+                   gemma3.Gemma3Attention(c, 5).eval(),
+                   lambda x, pos: rope(x, pos, "full_attention"))
+    c = tf.Llama4TextConfig(hidden_size=E, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=64,
+                            attn_implementation="eager")
+    attention_case("Llama4TextAttention (16 heads, 8 kv, head_dim 64, "
+                   "chunks of 8192, L2 norm)",
+                   llama4.Llama4TextAttention(c, 0).eval(),
+                   llama4.Llama4TextRotaryEmbedding(c))
     c = tf.DeepseekV3Config(hidden_size=E, num_attention_heads=16,
                             num_key_value_heads=16,
                             q_lora_rank=384, kv_lora_rank=512,
