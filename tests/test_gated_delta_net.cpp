@@ -278,6 +278,17 @@ TEST(GatedDeltaNet, BFloat16FollowsFloat32) {
       << (got.to(torch::kFloat32) - ref).abs().max().item<float>();
 }
 
+TEST(GatedDeltaNet, LongInputsRunInSegmentsWithTheSameResult) {
+  // forward walks inputs longer than 8192 tokens in segments carrying the
+  // state; forward_cached from a fresh state takes them in one call.
+  auto m = make(14);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({1, 8192 + 37, 12}, torch::kFloat64);
+  auto state = m->make_state(1);
+  const auto whole = m->forward_cached(x, state);
+  EXPECT_TRUE(torch::allclose(m->forward(x), whole, 1e-10, 1e-12));
+}
+
 TEST(GatedDeltaNet, SeqFirstEqualsBatchFirst) {
   auto m = make(5);
   GatedDeltaNet seq_first(small().batch_first(false));

@@ -47,9 +47,21 @@ bool gated_delta_rule_applies(const torch::Tensor& x);
 /// Shapes: x (N, T, ch), context (N, K - 1, ch), weight (ch, K); CPU
 /// float32 or float64, one dtype. Returns y (N, T, ch), differentiable in
 /// all three (first derivatives). One pass over x each way, on ATen's
-/// threads by blocks of channels: no transposes, no SiLU temporaries.
+/// threads by blocks of channels: no transposes, no SiLU temporaries
+/// (core/delta_net_parts.cpp).
 torch::Tensor causal_conv_silu(const torch::Tensor& x,
                                const torch::Tensor& context,
                                const torch::Tensor& weight);
+
+/// Gated DeltaNet's gated RMSNorm per head (transformers'
+/// Qwen3NextRMSNormGated), fused:
+///   y[n, t, h, :] = o[n, h, t, :] · rsqrt(mean(o[n, h, t, :]²) + eps)
+///                   · weight · silu(z[n, t, h, :]).
+/// Shapes: o (N, H, T, d) (gated_delta_rule's items), z (N, T, H, d),
+/// weight (d); CPU float32 or float64, one dtype (core/delta_net_parts.cpp).
+/// Returns y (N, T, H, d), differentiable in o, z and weight (first
+/// derivatives).
+torch::Tensor gated_rms_norm(const torch::Tensor& o, const torch::Tensor& z,
+                             const torch::Tensor& weight, double eps);
 
 }  // namespace mha::detail

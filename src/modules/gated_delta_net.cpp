@@ -11,6 +11,7 @@
 // dv per value head).
 #include "mha/gated_delta_net.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -274,46 +275,62 @@ torch::Tensor run(const GatedDeltaNetImpl& m, const torch::Tensor& x,
   const auto dtype = compute_dtype(x.scalar_type());
   const auto qkv = conv.to(dtype).split_with_sizes({Hk * dk, Hk * dk, Hv * dv},
                                                    2);  // (N, T, ·)
-  auto heads = [&](const torch::Tensor& t, int64_t H, int64_t d) {
-    return t.reshape({N, T, H, d}).transpose(1, 2);  // (N, H, T, d)
+  // q and k normalised per key head, (N, T, Hk, dk) rows; then every
+  // input as (N·Hv, T, ·) items, key heads repeated over their value heads
+  // (one copy each).
+  const auto qn = l2norm(qkv[0].view({N, T, Hk, dk})) *
+                  (1.0 / std::sqrt(static_cast<double>(dk)));
+  const auto kn = l2norm(qkv[1].view({N, T, Hk, dk}));
+  auto items = [&](const torch::Tensor& t, int64_t H, int64_t d) {
+    return t.unsqueeze(3)
+        .expand({N, T, H, Hv / H, d})
+        .permute({0, 2, 3, 1, 4})
+        .reshape({N * Hv, T, d});
   };
-  auto qh = heads(qkv[0], Hk, dk);
-  auto kh = heads(qkv[1], Hk, dk);
-  const auto vh = heads(qkv[2], Hv, dv);
-  if (G > 1) {
-    qh = qh.repeat_interleave(G, 1);
-    kh = kh.repeat_interleave(G, 1);
-  }
-  qh = l2norm(qh) * (1.0 / std::sqrt(static_cast<double>(dk)));
-  kh = l2norm(kh);
-  const auto beta = torch::sigmoid(b.to(dtype)).transpose(1, 2);  // (N, Hv, T)
+  const auto qi = items(qn, Hk, dk), ki = items(kn, Hk, dk);
+  const auto vi = items(qkv[2].view({N, T, Hv, dv}), Hv, dv);
+  const auto beta =
+      torch::sigmoid(b.to(dtype)).transpose(1, 2).reshape({N * Hv, T});
   const auto g = (-m.A_log.to(dtype).exp() *
                   torch::softplus(a.to(dtype) + m.dt_bias.to(dtype)))
-                     .transpose(1, 2);  // (N, Hv, T)
-  torch::Tensor out;
+                     .transpose(1, 2)
+                     .reshape({N * Hv, T});
+  torch::Tensor out;  // (N, Hv, T, dv)
   if (recurrent) {
-    out = recurrent_rule(qh, kh, vh, g, beta, state);
-  } else if (detail::gated_delta_rule_applies(qh)) {
-    // The CPU walk (core/delta_rule.h) on (N·Hv) items.
+    out = recurrent_rule(qi.view({N, Hv, T, dk}), ki.view({N, Hv, T, dk}),
+                         vi.view({N, Hv, T, dv}), g.view({N, Hv, T}),
+                         beta.view({N, Hv, T}), state);
+  } else if (detail::gated_delta_rule_applies(qi)) {
+    // The CPU walk (core/delta_rule.h) on the items.
     auto [o_items, s_items] = detail::gated_delta_rule(
-        qh.reshape({N * Hv, T, dk}), kh.reshape({N * Hv, T, dk}),
-        vh.reshape({N * Hv, T, dv}), g.reshape({N * Hv, T}),
-        beta.reshape({N * Hv, T}), state.reshape({N * Hv, dk, dv}),
-        o.chunk_size());
+        qi, ki, vi, g, beta, state.reshape({N * Hv, dk, dv}), o.chunk_size());
     out = o_items.view({N, Hv, T, dv});
     state = s_items.view({N, Hv, dk, dv});
   } else {
-    out = chunked_rule(qh, kh, vh, g, beta, state, o.chunk_size());
+    out = chunked_rule(qi.view({N, Hv, T, dk}), ki.view({N, Hv, T, dk}),
+                       vi.view({N, Hv, T, dv}), g.view({N, Hv, T}),
+                       beta.view({N, Hv, T}), state, o.chunk_size());
   }
   // The gated RMSNorm per head (Qwen3NextRMSNormGated), then out_proj.
-  const auto o_t = out.transpose(1, 2);  // (N, T, Hv, dv)
-  const auto normed =
-      o_t * torch::rsqrt(o_t.pow(2).mean(-1, true) + o.norm_eps());
-  const auto gated =
-      (m.norm->weight.to(dtype) * normed) * torch::silu(z.to(dtype));
+  torch::Tensor gated;  // (N, T, Hv, dv)
+  if (detail::gated_delta_rule_applies(out)) {
+    gated = detail::gated_rms_norm(out, z.to(dtype), m.norm->weight.to(dtype),
+                                   o.norm_eps());
+  } else {
+    const auto o_t = out.transpose(1, 2);  // (N, T, Hv, dv)
+    const auto normed =
+        o_t * torch::rsqrt(o_t.pow(2).mean(-1, true) + o.norm_eps());
+    gated = (m.norm->weight.to(dtype) * normed) * torch::silu(z.to(dtype));
+  }
   return detail::project(gated.reshape({N, T, Hv * dv}).to(x.scalar_type()),
                          m.out_proj->weight, {});
 }
+
+/// Tokens per segment of forward (rounded down to whole chunks). Why: at
+/// 64k tokens (Qwen3-Next's sizes at E 1024) one pass made 8 GB of
+/// temporaries, and their first touch in fresh pages grew the time 16-fold
+/// from 8k instead of 8-fold (measured here, LibTorch 1.13).
+constexpr int64_t kSegmentTokens = 8192;
 
 }  // namespace
 
@@ -335,8 +352,22 @@ torch::Tensor GatedDeltaNetImpl::forward(
     // transformers' apply_mask_to_padding_states.
     x = x.masked_fill(key_padding_mask.unsqueeze(-1), 0.0);
   }
+  // Segments of whole chunks, each from the state the one before left (the
+  // chunks and the results are those of one call): each segment's
+  // temporaries, some 30 numbers per token and value channel, are made
+  // and freed in turn instead of all L tokens' at once.
+  const int64_t C = options.chunk_size();
+  const int64_t segment = std::max(C, kSegmentTokens / C * C);
   auto state = make_state(N);
-  auto out = run(*this, x, state.conv, state.recurrent, /*recurrent=*/false);
+  std::vector<torch::Tensor> parts;
+  int64_t begin = 0;
+  do {
+    const int64_t len = std::min(segment, L - begin);
+    parts.push_back(run(*this, x.narrow(1, begin, len), state.conv,
+                        state.recurrent, /*recurrent=*/false));
+    begin += len;
+  } while (begin < L);
+  auto out = parts.size() == 1 ? parts[0] : torch::cat(parts, 1);
   return options.batch_first() ? out : out.transpose(0, 1);
 }
 
