@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <vector>
 #if defined(__SSE__) || defined(_M_X64)
 #include <xmmintrin.h>
 #endif
