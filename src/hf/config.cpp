@@ -388,15 +388,9 @@ LayerSpec layer_spec(const json& config, int64_t layer,
       // Sliding windows: 5.x layer_types; 4.x Mistral sliding_window, 4.x
       // Qwen2 use_sliding_window from max_window_layers on, 4.x Gemma 3
       // sliding_window_pattern.
-      const json* types = find_key(config, {"layer_types"});
       bool sliding = false;
-      if (types != nullptr) {
-        TORCH_CHECK(types->is_array() &&
-                        static_cast<int64_t>(types->size()) > layer &&
-                        (*types)[layer].is_string(),
-                    where, ": layer_types must list a string per layer, got ",
-                    types->dump());
-        const std::string type = (*types)[layer].get<std::string>();
+      if (const auto entry = layer_types_entry(config, layer, where)) {
+        const std::string& type = *entry;
         TORCH_CHECK(type != "linear_attention", where, ": layer_types[", layer,
                     "] is 'linear_attention', a Gated DeltaNet layer: "
                     "load_attention reads full-attention layers only");

@@ -2,6 +2,7 @@
 // name the file, the key and what was found in their errors.
 #include <initializer_list>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "hf_internal.h"
@@ -12,6 +13,19 @@ using nlohmann::json;
 
 /// The value of the first of `keys` that config holds and is not null, or
 /// nullptr.
+std::optional<std::string> layer_types_entry(const json& config, int64_t layer,
+                                             const std::string& where) {
+  const json* types = find_key(config, {"layer_types"});
+  if (types == nullptr) {
+    return std::nullopt;
+  }
+  TORCH_CHECK(
+      types->is_array() && static_cast<int64_t>(types->size()) > layer &&
+          (*types)[layer].is_string(),
+      where, ": layer_types must list a string per layer, got ", types->dump());
+  return (*types)[layer].get<std::string>();
+}
+
 const json* find_key(const json& config,
                      std::initializer_list<const char*> keys,
                      std::string* found) {

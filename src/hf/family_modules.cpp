@@ -89,14 +89,8 @@ namespace detail {
 std::string qwen3_next_layer_type(const nlohmann::json& config, int64_t layer,
                                   const std::string& where) {
   // layer_types (5.x), else every full_attention_interval-th layer is full.
-  const auto* types = find_key(config, {"layer_types"});
-  if (types != nullptr) {
-    TORCH_CHECK(types->is_array() &&
-                    static_cast<int64_t>(types->size()) > layer &&
-                    (*types)[layer].is_string(),
-                where, ": layer_types must list a string per layer, got ",
-                types->dump());
-    return (*types)[layer].get<std::string>();
+  if (auto type = layer_types_entry(config, layer, where)) {
+    return *type;
   }
   return (layer + 1) % opt_int(config, "full_attention_interval", 4, where)
              ? "linear_attention"

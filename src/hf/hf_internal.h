@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -96,6 +97,13 @@ void family_options(const nlohmann::json& config, int64_t layer,
 std::pair<double, RotaryScaling> rotary_of(const nlohmann::json& config,
                                            int64_t rotary_dim,
                                            const std::string& where);
+
+/// Layer `layer`'s entry of config's layer_types (5.x), or nullopt where
+/// the config has none; c10::Error naming `where` unless it lists a string
+/// per layer (config_values.cpp).
+std::optional<std::string> layer_types_entry(const nlohmann::json& config,
+                                             int64_t layer,
+                                             const std::string& where);
 
 /// Layer `layer`'s entry of a Qwen3-Next config's layer_types (5.x), or
 /// for 4.x configs "linear_attention" except every

@@ -244,27 +244,38 @@ void check_forward(const RecordedReference& r, MultiHeadAttention& module,
   check.note = note.str();
 }
 
+/// "step<k>.<what>": a recorded decoding step's tensor.
+std::string step_name(int64_t k, const char* what) {
+  return "step" + std::to_string(k) + "." + what;
+}
+
+/// The recorded decoding steps step0.*, step1.*, ...: how many, the
+/// tokens of all, and the batch (N of every step's hidden_states).
+struct StepCount {
+  int64_t steps = 0, total = 0, N = 0;
+};
+
+StepCount count_steps(const RecordedReference& r) {
+  StepCount c;
+  while (r.tensors.contains(step_name(c.steps, "hidden_states"))) {
+    const auto x = tensor(r, step_name(c.steps, "hidden_states"));
+    TORCH_CHECK(x.dim() == 3 && (c.steps == 0 || x.size(0) == c.N), r.path,
+                ": ", step_name(c.steps, "hidden_states"),
+                " must be (N, T, E) with the N of step0, got ", x.sizes());
+    c.N = x.size(0);
+    c.total += x.size(1);
+    ++c.steps;
+  }
+  return c;
+}
+
 /// Recorded decoding steps step0.*, step1.*, ... through one KVCache
 /// (forward_cached), each with the attention_mask's first P + T columns as
 /// key_padding_mask and its position_ids.
 void check_steps(const RecordedReference& r, MultiHeadAttention& module,
                  bool causal, const torch::Device& device, RecordedCheck& check,
                  Worst& worst) {
-  auto step_name = [](int64_t k, const char* what) {
-    return "step" + std::to_string(k) + "." + what;
-  };
-  int64_t steps = 0;
-  int64_t total = 0;
-  int64_t N = 0;
-  while (r.tensors.contains(step_name(steps, "hidden_states"))) {
-    const auto x = tensor(r, step_name(steps, "hidden_states"));
-    TORCH_CHECK(x.dim() == 3 && (steps == 0 || x.size(0) == N), r.path, ": ",
-                step_name(steps, "hidden_states"),
-                " must be (N, T, E) with the N of step0, got ", x.sizes());
-    N = x.size(0);
-    total += x.size(1);
-    ++steps;
-  }
+  const auto [steps, total, N] = count_steps(r);
   const auto keep = keep_mask(r, N, total);  // (N, total)
   const bool padded = !keep.all().item<bool>();
   auto cache = module->make_kv_cache(N, total);
@@ -358,19 +369,7 @@ void check_sequence(const RecordedReference& r, SequenceLayer& layer,
             worst);
     note << ", " << N << "x" << L << " tokens";
   }
-  auto step_name = [](int64_t k, const char* what) {
-    return "step" + std::to_string(k) + "." + what;
-  };
-  int64_t steps = 0, total = 0, N = 0;
-  while (r.tensors.contains(step_name(steps, "hidden_states"))) {
-    const auto x = tensor(r, step_name(steps, "hidden_states"));
-    TORCH_CHECK(x.dim() == 3 && (steps == 0 || x.size(0) == N), r.path, ": ",
-                step_name(steps, "hidden_states"),
-                " must be (N, T, E) with the N of step0, got ", x.sizes());
-    N = x.size(0);
-    total += x.size(1);
-    ++steps;
-  }
+  const auto [steps, total, N] = count_steps(r);
   if (steps > 0) {
     const auto keep = has_forward ? torch::ones({N, total}, torch::kBool)
                                   : keep_mask(r, N, total);  // (N, total)
