@@ -85,8 +85,9 @@ class GatedDeltaNetImpl : public torch::nn::Cloneable<GatedDeltaNetImpl> {
   /// memory linear in L (chunks of chunk_size in order); on the CPU each
   /// value head walks its chunks on one of ATen's threads, the short
   /// convolution channels last (src/core/delta_rule.h), subnormal numbers
-  /// flushed to zero within the walk. c10::Error naming
-  /// the argument for wrong shapes, dtypes or devices.
+  /// flushed to zero within the walk; inputs longer than 8192 tokens run
+  /// in segments of whole chunks carrying the state (same results).
+  /// c10::Error naming the argument for wrong shapes, dtypes or devices.
   torch::Tensor forward(const torch::Tensor& x,
                         const torch::Tensor& key_padding_mask = {});
 

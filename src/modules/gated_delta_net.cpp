@@ -2,9 +2,10 @@
 // transformers 5.x's Qwen3NextGatedDeltaNet computes it (its torch
 // fallbacks torch_chunk_gated_delta_rule and
 // torch_recurrent_gated_delta_rule), in the compute dtype float32 (float64
-// for float64 inputs). On the CPU the chunked form and the convolution are
-// core/delta_rule.h's walks; chunked_rule (ATen ops) is the form on other
-// devices.
+// for float64 inputs). On the CPU (float32, float64) the chunked form, the
+// convolution and the gated RMSNorm are core/delta_rule.h's routines; the
+// ATen forms here (chunked_rule, conv1d, the norm's ops) serve other
+// devices and dtypes.
 //
 // Glossary: N batch, L / T length, Hk key heads, Hv value heads, G = Hv /
 // Hk, dk / dv head sizes, K conv width, C chunk size, S the state (dk x
@@ -354,8 +355,8 @@ torch::Tensor GatedDeltaNetImpl::forward(
   }
   // Segments of whole chunks, each from the state the one before left (the
   // chunks and the results are those of one call): each segment's
-  // temporaries, some 30 numbers per token and value channel, are made
-  // and freed in turn instead of all L tokens' at once.
+  // temporaries are made and freed in turn instead of all L tokens' at
+  // once.
   const int64_t C = options.chunk_size();
   const int64_t segment = std::max(C, kSegmentTokens / C * C);
   auto state = make_state(N);
