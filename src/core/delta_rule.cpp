@@ -37,7 +37,8 @@ namespace mha::detail {
 namespace {
 
 /// Flush-to-zero and denormals-are-zero (x86's MXCSR bits 15 and 6) on
-/// this thread while alive, as before after; nothing elsewhere.
+/// this thread while alive, the previous mode restored after; no other
+/// thread is touched.
 ///
 /// Why: the gates decay over a chunk to exp(G_i - G_j) far below float32's
 /// smallest normal (1.2e-38; Qwen3-Next's g reaches -20 a token), and
