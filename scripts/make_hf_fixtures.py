@@ -193,12 +193,13 @@ def linear_layer_case(name, model, layer):
     print(f"{name}: layer {layer} (linear attention), 4 decoding steps")
 
 
-def gradient_case(name, model, layer, module_name):
+def gradient_case(name, model, layer, module_name, rotary=None):
     """gradients.safetensors beside case `name`'s checkpoint: the module's
     output on a causal, unpadded batch (hidden_states, R, output) and the
     gradients of sum(output · R) with respect to hidden_states
     ("grad.hidden_states") and every parameter of the module ("grad.<its
-    name>"), float32."""
+    name>"), float32. `rotary(x, position_ids)` gives the position
+    embeddings (default: the model's rotary_emb)."""
     path = os.path.join(ROOT, name)
     mod = dict(model.named_modules())[module_name]
     torch.manual_seed(79)
@@ -209,7 +210,7 @@ def gradient_case(name, model, layer, module_name):
             out = mod(x)
         else:
             pos = torch.arange(L).unsqueeze(0).expand(N, L)
-            pe = model.rotary_emb(x, pos)
+            pe = (rotary or model.rotary_emb)(x, pos)
             mask = torch.full((L, L), float("-inf")).triu(1).view(1, 1, L, L)
             out = mod(hidden_states=x, position_embeddings=pe,
                       attention_mask=mask)[0]
@@ -507,6 +508,16 @@ def main_gradients():
         model = cls.from_pretrained(os.path.join(ROOT, name),
                                     attn_implementation="eager").eval()
         gradient_case(name, model, layer, f"layers.{layer}.self_attn")
+    # Qwen3-Next's full layer (output gate, (1 + weight) norms, partial
+    # rotary) and Gemma 3's global layer (its rope by layer type).
+    qnext = tf.Qwen3NextModel.from_pretrained(
+        os.path.join(ROOT, "qwen3_next"), attn_implementation="eager").eval()
+    gradient_case("qwen3_next", qnext, 1, "layers.1.self_attn")
+    gemma3 = tf.Gemma3TextModel.from_pretrained(
+        os.path.join(ROOT, "gemma3_global"),
+        attn_implementation="eager").eval()
+    gradient_case("gemma3_global", gemma3, 1, "layers.1.self_attn",
+                  lambda x, pos: gemma3.rotary_emb(x, pos, "full_attention"))
 
 
 if __name__ == "__main__":

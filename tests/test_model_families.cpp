@@ -587,12 +587,18 @@ std::string transformers_name(const std::string& ours) {
   return ours;  // q_norm.weight, k_norm.weight, sinks
 }
 
-// OLMo 2 (norms over the whole projections) and gpt-oss's full layer
-// (biases, sinks): the gradients of the input and every parameter against
-// transformers' Olmo2Attention / GptOssAttention.
-TEST(FamilyFixtures, Olmo2AndGptOssGradientsMatchTransformers) {
-  for (const auto& [name, layer] : std::vector<std::pair<std::string, int64_t>>{
-           {"olmo2", 0}, {"gpt_oss_full", 1}}) {
+// OLMo 2 (norms over the whole projections), gpt-oss's full layer
+// (biases, sinks), Qwen3-Next's full layer (output gate, (1 + weight)
+// norms) and Gemma 3's global layer: the gradients of the input and every
+// parameter against transformers' Olmo2Attention, GptOssAttention,
+// Qwen3NextAttention and Gemma3Attention.
+TEST(FamilyFixtures, MoreFamiliesGradientsMatchTransformers) {
+  const std::vector<std::pair<std::string, int64_t>> cases{
+      {"olmo2", 0},
+      {"gpt_oss_full", 1},
+      {"qwen3_next", 1},
+      {"gemma3_global", 1}};
+  for (const auto& [name, layer] : cases) {
     SCOPED_TRACE(name);
     const auto dir = fixtures::path("hf/" + name);
     auto m = mha::hf::load_attention(dir, layer);
