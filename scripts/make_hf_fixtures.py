@@ -509,7 +509,7 @@ def main_gradients():
                                     attn_implementation="eager").eval()
         gradient_case(name, model, layer, f"layers.{layer}.self_attn")
     # Qwen3-Next's full layer (output gate, (1 + weight) norms, partial
-    # rotary) and Gemma 3's global layer (its rope by layer type).
+    # rotary), Gemma 3's global layer (its rope by layer type).
     qnext = tf.Qwen3NextModel.from_pretrained(
         os.path.join(ROOT, "qwen3_next"), attn_implementation="eager").eval()
     gradient_case("qwen3_next", qnext, 1, "layers.1.self_attn")
@@ -518,6 +518,10 @@ def main_gradients():
         attn_implementation="eager").eval()
     gradient_case("gemma3_global", gemma3, 1, "layers.1.self_attn",
                   lambda x, pos: gemma3.rotary_emb(x, pos, "full_attention"))
+    # Llama 4's NoPE layer (temperature tuning, full causal attention).
+    llama4 = tf.Llama4TextModel.from_pretrained(
+        os.path.join(ROOT, "llama4_nope"), attn_implementation="eager").eval()
+    gradient_case("llama4_nope", llama4, 3, "layers.3.self_attn")
 
 
 if __name__ == "__main__":

@@ -589,9 +589,10 @@ std::string transformers_name(const std::string& ours) {
 
 // OLMo 2 (norms over the whole projections), gpt-oss's full layer
 // (biases, sinks), Qwen3-Next's full layer (output gate, (1 + weight)
-// norms) and Gemma 3's global layer: the gradients of the input and every
-// parameter against transformers' Olmo2Attention, GptOssAttention,
-// Qwen3NextAttention and Gemma3Attention.
+// norms), Gemma 3's global layer and Llama 4's NoPE layer (temperature
+// tuning): the gradients of the input and every parameter against
+// transformers' Olmo2Attention, GptOssAttention, Qwen3NextAttention,
+// Gemma3Attention and Llama4TextAttention.
 TEST(FamilyFixtures, MoreFamiliesGradientsMatchTransformers) {
   const std::vector<std::pair<std::string, int64_t>> cases{
       {"olmo2", 0},
