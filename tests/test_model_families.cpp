@@ -594,11 +594,11 @@ std::string transformers_name(const std::string& ours) {
 // transformers' Olmo2Attention, GptOssAttention, Qwen3NextAttention,
 // Gemma3Attention and Llama4TextAttention.
 TEST(FamilyFixtures, MoreFamiliesGradientsMatchTransformers) {
-  const std::vector<std::pair<std::string, int64_t>> cases{
-      {"olmo2", 0},
-      {"gpt_oss_full", 1},
-      {"qwen3_next", 1},
-      {"gemma3_global", 1}};
+  const std::vector<std::pair<std::string, int64_t>> cases{{"olmo2", 0},
+                                                           {"gpt_oss_full", 1},
+                                                           {"qwen3_next", 1},
+                                                           {"gemma3_global", 1},
+                                                           {"llama4_nope", 3}};
   for (const auto& [name, layer] : cases) {
     SCOPED_TRACE(name);
     const auto dir = fixtures::path("hf/" + name);
