@@ -54,6 +54,8 @@ class FlushDenormals {
 
  private:
   unsigned int saved_;
+#else
+  FlushDenormals() {}  // other architectures: the mode is left as it is
 #endif
 };
 
