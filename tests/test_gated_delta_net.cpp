@@ -219,7 +219,8 @@ TEST(GatedDeltaNet, KernelEqualsTheLoopWithStateGradients) {
           << (got_grads[i] - ref_grads[i]).abs().max().item<double>();
     }
   }
-  // float32 at rounding, and no states kept without gradients.
+  // float32 within its rounding, and the final state too, without
+  // gradients (no chunk states kept).
   torch::NoGradGuard no_grad;
   const auto f32 = mha::detail::gated_delta_rule(
       q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32),
@@ -227,6 +228,9 @@ TEST(GatedDeltaNet, KernelEqualsTheLoopWithStateGradients) {
       4);
   EXPECT_TRUE(
       torch::allclose(f32.first.to(torch::kFloat64), ref.first, 1e-4, 1e-5));
+  EXPECT_TRUE(
+      torch::allclose(f32.second.to(torch::kFloat64), ref.second, 1e-4, 1e-5));
+  EXPECT_FALSE(f32.first.requires_grad());
 }
 
 TEST(GatedDeltaNet, ConvolutionEqualsConv1dWithGradients) {
