@@ -612,6 +612,25 @@ TEST(FamilyFixtures, MoreFamiliesGradientsMatchTransformers) {
   }
 }
 
+TEST(FamilyFixtures, ModuleLoadersNameTheModelTypeAndLayer) {
+  // load_latent_attention and load_gated_delta_net refuse another family,
+  // a layer out of range and a layer of the other kind by name.
+  EXPECT_THROW_MSG(
+      mha::hf::load_gated_delta_net(fixtures::path("hf/deepseek_v3"), 0),
+      "model_type 'deepseek_v3' has no Gated DeltaNet layers (supported: "
+      "qwen3_next)");
+  EXPECT_THROW_MSG(
+      mha::hf::load_latent_attention(fixtures::path("hf/qwen3"), 0),
+      "model_type 'qwen3' has no Multi-head Latent Attention (supported: "
+      "deepseek_v2, deepseek_v3)");
+  EXPECT_THROW_MSG(
+      mha::hf::load_latent_attention(fixtures::path("hf/deepseek_v3"), 9),
+      "layer 9 out of range: the model has 1 layers");
+  EXPECT_THROW_MSG(
+      mha::hf::load_gated_delta_net(fixtures::path("hf/qwen3_next_linear"), 1),
+      "layer_types[1] is 'full_attention', not a Gated DeltaNet layer");
+}
+
 TEST(FamilyFixtures, ParityRowsForLatentAttentionAndGatedDeltaNet) {
   // mha-parity --reference runs DeepSeek's MLA and Qwen3-Next's Gated
   // DeltaNet as their own modules: the recorded forward (and the Gated

@@ -5,6 +5,7 @@
 // configuration_qwen3_next.py and DeepseekV3Attention /
 // DeepseekV2Attention / Qwen3NextGatedDeltaNet.
 #include <cmath>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -34,6 +35,38 @@ void load_named(torch::nn::Module& module, const std::string& model_dir,
   module.eval();
 }
 
+/// model_dir's config.json, read for a loader of `what` (e.g. "Gated
+/// DeltaNet layers"): `where` names the file, `type` is its model_type.
+struct FamilyConfig {
+  nlohmann::json config;
+  std::string where, type;
+};
+
+/// c10::Error naming the file unless its model_type is one of `types`
+/// (listed as supported) and `layer` is within num_hidden_layers.
+FamilyConfig family_config(const std::string& model_dir, int64_t layer,
+                           std::initializer_list<const char*> types,
+                           const char* what) {
+  FamilyConfig c;
+  c.where = model_dir + "/config.json";
+  c.config = detail::parse_config(detail::read_config_text(model_dir), c.where);
+  c.type = detail::opt_string(c.config, "model_type", "", c.where);
+  bool known = false;
+  std::string supported;
+  for (const char* t : types) {
+    known = known || c.type == t;
+    supported += (supported.empty() ? "" : ", ") + std::string(t);
+  }
+  TORCH_CHECK(known, c.where, ": model_type '", c.type, "' has no ", what,
+              " (supported: ", supported, ")");
+  const int64_t layers =
+      detail::get_int(c.config, {"num_hidden_layers"}, c.where);
+  TORCH_CHECK(layer >= 0 && layer < layers, c.where, ": layer ", layer,
+              " out of range: the model has ", layers,
+              " layers (expected 0 <= layer < ", layers, ")");
+  return c;
+}
+
 }  // namespace
 
 MultiHeadLatentAttention load_latent_attention(const std::string& model_dir,
@@ -41,20 +74,11 @@ MultiHeadLatentAttention load_latent_attention(const std::string& model_dir,
   using detail::get_int;
   using detail::opt_bool;
   using detail::opt_int;
-  const std::string where = model_dir + "/config.json";
-  const auto config =
-      detail::parse_config(detail::read_config_text(model_dir), where);
-  const std::string t = detail::opt_string(config, "model_type", "", where);
-  TORCH_CHECK(t == "deepseek_v3" || t == "deepseek_v2", where, ": model_type '",
-              t,
-              "' has no Multi-head Latent Attention (supported: deepseek_v2, "
-              "deepseek_v3)");
+  const auto [config, where, t] =
+      family_config(model_dir, layer, {"deepseek_v2", "deepseek_v3"},
+                    "Multi-head Latent Attention");
   const int64_t E = get_int(config, {"hidden_size"}, where);
   const int64_t H = get_int(config, {"num_attention_heads"}, where);
-  const int64_t layers = get_int(config, {"num_hidden_layers"}, where);
-  TORCH_CHECK(layer >= 0 && layer < layers, where, ": layer ", layer,
-              " out of range: the model has ", layers,
-              " layers (expected 0 <= layer < ", layers, ")");
   MultiHeadLatentAttentionOptions o(E, H);
   // q_lora_rank null: a plain q_proj (DeepSeek-V2-Lite).
   o.q_lora_rank(opt_int(config, "q_lora_rank", 0, where));
@@ -104,16 +128,8 @@ GatedDeltaNet load_gated_delta_net(const std::string& model_dir,
   using detail::get_int;
   using detail::opt_double;
   using detail::opt_int;
-  const std::string where = model_dir + "/config.json";
-  const auto config =
-      detail::parse_config(detail::read_config_text(model_dir), where);
-  const std::string t = detail::opt_string(config, "model_type", "", where);
-  TORCH_CHECK(t == "qwen3_next", where, ": model_type '", t,
-              "' has no Gated DeltaNet layers (supported: qwen3_next)");
-  const int64_t layers = get_int(config, {"num_hidden_layers"}, where);
-  TORCH_CHECK(layer >= 0 && layer < layers, where, ": layer ", layer,
-              " out of range: the model has ", layers,
-              " layers (expected 0 <= layer < ", layers, ")");
+  const auto [config, where, t] =
+      family_config(model_dir, layer, {"qwen3_next"}, "Gated DeltaNet layers");
   const std::string type = detail::qwen3_next_layer_type(config, layer, where);
   TORCH_CHECK(type == "linear_attention", where, ": layer_types[", layer,
               "] is '", type,
