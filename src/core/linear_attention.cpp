@@ -1,14 +1,12 @@
 // Linear-cost attention's function and core (mha/linear_attention.h,
 // core/linear_attention_core.h): the sums of linear attention (Katharopoulos
-// et al., 2020, arXiv:2006.16236), their causal form by blocks, and FAVOR+'s
-// random features (Choromanski et al., 2021, arXiv:2009.14794).
+// et al., 2020, arXiv:2006.16236) and their causal form by blocks. The
+// feature maps are in core/feature_maps.cpp.
 //
 // Glossary: L query length, S key length, T aligned query and key length,
 // D head_dim (query/key features), Dv value features, F features of φ (m for
 // FAVOR+), C block length, B = ceil(T / C) blocks, "..." leading dims.
 #include "mha/linear_attention.h"
-
-#include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
 #include <atomic>
@@ -505,19 +503,6 @@ torch::Tensor linear_attention_by_segments(
   return out;
 }
 
-torch::Tensor favor_exponents(const torch::Tensor& x,
-                              const torch::Tensor& random_features) {
-  const double m = static_cast<double>(random_features.size(0));
-  // In place on the product (its backward reads its inputs): one tensor of
-  // the exponents' size (at L = 64k, m = 266, 4 heads, 279 MB, whose first
-  // touch costs about 0.45 s of page faults here), not three.
-  return torch::matmul(x, random_features.t())
-      .sub_(x.square()
-                .sum(-1, /*keepdim=*/true)
-                .mul_(0.5)
-                .add_(0.5 * std::log(m)));  // (..., T, m)
-}
-
 }  // namespace detail
 
 const char* to_string(AttentionKind kind) {
@@ -532,13 +517,6 @@ const char* to_string(AttentionKind kind) {
       return "linformer";
   }
   return "?";
-}
-
-torch::Tensor elu_feature_map(const torch::Tensor& x) {
-  // In place on elu's own result (its backward reads its input): one
-  // tensor of the features' size, not two (at L = 64k each fresh one costs
-  // about 0.1 s of page faults here).
-  return torch::elu(x).add_(1.0);
 }
 
 torch::Tensor linear_attention(const torch::Tensor& query,
@@ -646,56 +624,6 @@ torch::Tensor linear_attention(const torch::Tensor& query,
   auto k = S >= L ? phi_k.narrow(-2, 0, L) : detail::pad_rows(phi_k, L);
   auto v = S >= L ? value.narrow(-2, 0, L) : detail::pad_rows(value, L);
   return detail::causal_linear_attention(queries, {k, false}, v, {}, block);
-}
-
-torch::Tensor orthogonal_random_features(int64_t nb_features, int64_t dim,
-                                         uint64_t seed,
-                                         torch::TensorOptions options) {
-  TORCH_CHECK(nb_features >= 1 && dim >= 1,
-              "orthogonal_random_features: nb_features and dim must be >= 1, "
-              "but got nb_features=",
-              nb_features, ", dim=", dim);
-  torch::NoGradGuard no_grad;
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
-  std::vector<torch::Tensor> blocks;
-  for (int64_t rows = 0; rows < nb_features; rows += dim) {
-    auto gaussian = at::randn({dim, dim}, generator, f64);  // (D, D)
-    auto [q, r] = at::linalg_qr(gaussian);
-    // Q made unique (R's diagonal positive), so that every LAPACK gives
-    // the same features; its columns are orthonormal, the block its rows.
-    q = q * torch::sign(r.diagonal()).unsqueeze(0);
-    blocks.push_back(
-        q.t().narrow(0, 0, std::min(dim, nb_features - rows)));  // (<=D, D)
-  }
-  auto w = torch::cat(blocks, 0);  // (m, D)
-  // Each row's norm as a Gaussian vector's (chi with D degrees of freedom).
-  auto norms = at::randn({nb_features, dim}, generator, f64).norm(2, {1});
-  // TensorOptions::dtype() is the default dtype where none was set.
-  return (w * norms.unsqueeze(1))
-      .to(torch::TensorOptions()
-              .dtype(options.dtype())
-              .device(options.device()));  // (m, D)
-}
-
-torch::Tensor favor_features(const torch::Tensor& x,
-                             const torch::Tensor& random_features) {
-  TORCH_CHECK(x.defined() && x.dim() >= 2,
-              "favor_features: x must be (..., T, D), but got ",
-              x.defined() ? x.sizes() : torch::IntArrayRef{});
-  TORCH_CHECK(random_features.defined() && random_features.dim() == 2 &&
-                  random_features.size(1) == x.size(-1) &&
-                  random_features.scalar_type() == x.scalar_type() &&
-                  random_features.device() == x.device(),
-              "favor_features: random_features must be (m, D) = (m, ",
-              x.size(-1), ") of x's dtype ", x.scalar_type(), " on ",
-              x.device(), ", but got ",
-              random_features.defined() ? random_features.sizes()
-                                        : torch::IntArrayRef{},
-              " ",
-              random_features.defined() ? random_features.scalar_type()
-                                        : x.scalar_type());
-  return detail::favor_exponents(x, random_features).exp_();
 }
 
 }  // namespace mha
